@@ -1,0 +1,59 @@
+"""Make the stock ``mergekit-yaml`` know ``graft`` without importing anything heavy.
+
+mergekit has no plugin entry point, only ``mergekit.merge_methods.register()``.
+``graftmerge_hook.pth`` (installed into site-packages) calls :func:`install`
+at interpreter start-up; it only appends a finder to ``sys.meta_path``. When
+mergekit's registry module is first imported, the finder runs the real module
+and then registers ``graft``; when ``mergekit.merge`` is imported, it wraps
+``run_merge`` so graft configs are validated before mergekit loads a tensor.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+_AFTER_IMPORT = {
+    "mergekit.merge_methods.registry": ("graftmerge.mergekit_method", "register_graft"),
+    "mergekit.merge": ("graftmerge.mergekit_method", "wrap_run_merge"),
+}
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, fullname: str):
+        self._loader = loader
+        self._fullname = fullname
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        target_module, function = _AFTER_IMPORT[self._fullname]
+        __import__(target_module)
+        getattr(sys.modules[target_module], function)(module)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _AFTER_IMPORT:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, fullname)
+                return spec
+        return None
+
+
+def install() -> None:
+    """Idempotent: at most one finder, and modules already imported get patched now."""
+    if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportFinder())
+    for name, (target_module, function) in _AFTER_IMPORT.items():
+        if name in sys.modules:
+            __import__(target_module)
+            getattr(sys.modules[target_module], function)(sys.modules[name])

@@ -1,0 +1,160 @@
+"""Lazy, validated access to a folder of safetensors shards.
+
+Only headers are read up front (so a config can be checked before any tensor is
+loaded); tensors are read one at a time through safetensors' memory map.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from graftmerge.errors import GraftError
+
+SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors spelling, e.g. "BF16"
+    file: Path
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return SAFETENSORS_DTYPES[self.dtype][0]
+
+    @property
+    def is_floating(self) -> bool:
+        return self.torch_dtype.is_floating_point
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
+    """Parse and check one shard's header against its size; raise GraftError if corrupt."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise GraftError(f"{file}: not a safetensors file (only {size} bytes)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(_MAX_HEADER_BYTES, size - 8):
+                raise GraftError(
+                    f"{file}: corrupt or truncated safetensors header "
+                    f"(header claims {header_len} bytes, file has {size})"
+                )
+            header = json.loads(handle.read(header_len))
+    except OSError as error:
+        raise GraftError(f"{file}: cannot read ({error.strerror})") from error
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise GraftError(f"{file}: corrupt safetensors header (not JSON)") from error
+    if not isinstance(header, dict):
+        raise GraftError(f"{file}: corrupt safetensors header (not a JSON object)")
+    tensors: dict[str, TensorInfo] = {}
+    data_end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError) as error:
+            raise GraftError(f"{file}: corrupt header entry for tensor {name!r}") from error
+        if dtype not in SAFETENSORS_DTYPES:
+            raise GraftError(f"{file}: tensor {name!r} has unsupported dtype {dtype}")
+        itemsize = SAFETENSORS_DTYPES[dtype][1]
+        if end - begin != math.prod(shape) * itemsize or begin < 0:
+            raise GraftError(f"{file}: corrupt header: tensor {name!r} offsets do not match its shape")
+        data_end = max(data_end, end)
+        tensors[name] = TensorInfo(name=name, shape=shape, dtype=dtype, file=file)
+    if 8 + header_len + data_end != size:
+        raise GraftError(
+            f"{file}: truncated or corrupt safetensors file "
+            f"(header describes {8 + header_len + data_end} bytes, file has {size})"
+        )
+    return tensors
+
+
+class Checkpoint:
+    """A model folder's tensors by name; headers validated, data read lazily."""
+
+    def __init__(self, folder: str | os.PathLike, label: str | None = None):
+        self.folder = Path(folder)
+        self.label = label or str(folder)
+        if not self.folder.is_dir():
+            raise GraftError(f"{self.label}: model folder {self.folder} does not exist")
+        self.tensors: dict[str, TensorInfo] = {}
+        for file in self._shard_files():
+            for name, info in read_safetensors_header(file).items():
+                if name in self.tensors:
+                    raise GraftError(f"{self.label}: tensor {name!r} appears in two shards")
+                self.tensors[name] = info
+        self._handles: dict[Path, object] = {}
+
+    def _shard_files(self) -> list[Path]:
+        index = self.folder / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise GraftError(f"{index}: corrupt shard index") from error
+            files = sorted({self.folder / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.exists()]
+            if missing:
+                raise GraftError(f"{index}: lists missing shard(s) {', '.join(missing)}")
+            return files
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise GraftError(
+                f"{self.label}: no .safetensors files in {self.folder} "
+                "(graftmerge reads safetensors only; re-save the model with safe_serialization=True)"
+            )
+        return files
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, loaded now, in its stored dtype."""
+        info = self.tensors[name]
+        handle = self._handles.get(info.file)
+        if handle is None:
+            handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+        return handle.get_tensor(name)
+
+    def fingerprint(self) -> dict[str, dict]:
+        """Names, shapes and dtypes: what a Fisher cache must match."""
+        return {
+            name: {"shape": list(info.shape), "dtype": info.dtype}
+            for name, info in sorted(self.tensors.items())
+        }
+
+    def file_stamps(self) -> list[tuple[str, int, int]]:
+        """(path, size, mtime_ns) of every shard: cheap identity for result caches."""
+        stamps = []
+        for file in sorted({info.file for info in self.tensors.values()}):
+            stat = file.stat()
+            stamps.append((str(file.resolve()), stat.st_size, stat.st_mtime_ns))
+        return stamps

@@ -1,0 +1,460 @@
+"""Fisher cache format v1: a JSON manifest plus safetensors shards.
+
+Layout of a cache folder::
+
+    fisher_manifest.json          written last; a folder without it is not a cache
+    fisher-00001.safetensors ...  tensors keyed by the post model's parameter names
+                                  (diagonal) or by factor keys (KFAC sides)
+
+Every weight with Fisher information has one manifest entry naming its own
+representation, ``diagonal`` (one tensor shaped like the weight) or ``kfac``
+(a row-side and a column-side factor, each a full eigenbasis or a diagonal);
+a weight may carry both (``--kind both``), and then ``kfac`` is its own. Factors that
+are bit-identical (q/k/v read the same input) are stored once and shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from graftmerge import __version__
+from graftmerge.checkpoint import Checkpoint
+from graftmerge.errors import GraftError
+
+FORMAT_NAME = "graftmerge.fisher"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "fisher_manifest.json"
+DEFAULT_SHARD_BYTES = 1 << 30
+ORTHONORMAL_TOLERANCE = 1e-3
+EIGENVALUE_TOLERANCE = 1e-6  # relative to the largest eigenvalue of the side
+
+
+@dataclass(frozen=True)
+class KfacFactors:
+    """One weight's KFAC eigenbases, in the layout of the stored weight (rows × cols).
+
+    ``F ≈ (V diag(D) Vᵀ) ⊗ (U diag(S) Uᵀ)``: U/S act on dim 0 (rows, the output
+    side of a Linear), V/D on dim 1 (columns, the input side). ``U`` or ``V`` is
+    None when that side is diagonal (identity eigenbasis), e.g. the one-hot
+    vocabulary rows of an embedding.
+    """
+
+    U: torch.Tensor | None
+    S: torch.Tensor
+    V: torch.Tensor | None
+    D: torch.Tensor
+
+
+def _hf_cache_origin(folder: Path) -> tuple[str | None, str | None]:
+    """(repo id, revision) when ``folder`` is a snapshot inside the HF cache."""
+    match = re.search(r"models--([^/]+?)--([^/]+)/snapshots/([0-9a-f]{7,64})/?$", str(folder.resolve()))
+    if not match:
+        return None, None
+    return f"{match.group(1)}/{match.group(2)}", match.group(3)
+
+
+def _check_values(tensor: torch.Tensor, where: str) -> None:
+    if not torch.isfinite(tensor).all():
+        raise GraftError(f"{where} contains NaN or Inf")
+    if (tensor < 0).any():
+        raise GraftError(f"{where} contains negative entries (min {tensor.min().item():.3g})")
+
+
+class FisherCacheWriter:
+    """Write a Fisher cache from tensors computed anywhere.
+
+    >>> with FisherCacheWriter("fisher/post-diag", model="./post") as writer:  # doctest: +SKIP
+    ...     writer.add_diagonal("model.norm.weight", fisher_of_norm)
+
+    The cache is assembled in a hidden sibling folder and renamed into place
+    when the block exits cleanly, manifest last: an interrupted write never
+    leaves a folder that looks like a cache.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        model: str | os.PathLike,
+        *,
+        source: str | None = None,
+        revision: str | None = None,
+        estimator: dict[str, Any] | None = None,
+        counts: dict[str, Any] | None = None,
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+        overwrite: bool = False,
+    ):
+        self.path = Path(path)
+        if self.path.exists() and not overwrite:
+            raise GraftError(f"{self.path} already exists; pass overwrite=True (or --overwrite) to replace it")
+        checkpoint = Checkpoint(model, label="post model")
+        guessed_source, guessed_revision = _hf_cache_origin(checkpoint.folder)
+        self._model_tensors = checkpoint.fingerprint()
+        self.model_info = {
+            "source": source or guessed_source or str(checkpoint.folder.resolve()),
+            "revision": revision or guessed_revision,
+            "tensors": self._model_tensors,
+        }
+        self.estimator = dict(estimator or {})
+        self.counts = dict(counts or {})
+        self._overwrite = overwrite
+        self._max_shard_bytes = max_shard_bytes
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._factors: dict[str, dict[str, Any]] = {}
+        self._factor_by_digest: dict[str, str] = {}
+        self._files: dict[str, str] = {}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shard_count = 0
+        self._clamped = 0
+        self._tmp: Path | None = None
+        self._closed = False
+
+    # -- context management -------------------------------------------------
+    def __enter__(self) -> FisherCacheWriter:
+        self._ensure_tmp()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _ensure_tmp(self) -> Path:
+        if self._closed:
+            raise GraftError(f"{self.path}: writer already closed")
+        if self._tmp is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.partial-", dir=self.path.parent))
+        return self._tmp
+
+    # -- adding entries -----------------------------------------------------
+    def _check_weight(self, name: str, representation: str) -> tuple[int, ...]:
+        if name not in self._model_tensors:
+            raise GraftError(f"{name!r} is not a tensor of the post model")
+        if representation in self._entries.get(name, {}):
+            raise GraftError(f"{name!r} already has a {representation} entry in this Fisher cache")
+        return tuple(self._model_tensors[name]["shape"])
+
+    def _add_entry(self, name: str, representation: str, record: dict[str, Any]) -> None:
+        entry = self._entries.setdefault(name, {})
+        entry[representation] = record
+        # A weight's own representation: KFAC when it has factors, else diagonal.
+        entry["representation"] = "kfac" if "kfac" in entry else "diagonal"
+
+    def add_diagonal(self, name: str, tensor: torch.Tensor) -> None:
+        """Diagonal Fisher of weight ``name``: a non-negative tensor of its shape."""
+        shape = self._check_weight(name, "diagonal")
+        if tuple(tensor.shape) != shape:
+            raise GraftError(f"diagonal Fisher for {name!r} has shape {tuple(tensor.shape)}, weight has {shape}")
+        tensor = tensor.detach().to("cpu", torch.float32).contiguous()
+        _check_values(tensor, f"diagonal Fisher for {name!r}")
+        self._store(name, tensor)
+        self._add_entry(name, "diagonal", {"key": name})
+
+    def add_kfac(self, name: str, *, P: torch.Tensor, Q: torch.Tensor) -> None:
+        """Kronecker factors of a 2-D weight: P on its rows (d_out side), Q on its columns.
+
+        A 1-D factor is a diagonal side (e.g. token frequencies for an
+        embedding's vocabulary rows). Full factors are symmetrised and
+        eigendecomposed in float64; tiny negative eigenvalues are clamped to 0.
+        """
+        shape = self._check_kfac_shape(name, P, Q)
+        row_side = self._add_side(P, shape[0], name, "P")
+        column_side = self._add_side(Q, shape[1], name, "Q")
+        self._add_entry(name, "kfac", {"rows": row_side, "columns": column_side})
+
+    def add_kfac_eigen(
+        self,
+        name: str,
+        *,
+        U: torch.Tensor | None,
+        S: torch.Tensor,
+        V: torch.Tensor | None,
+        D: torch.Tensor,
+    ) -> None:
+        """Eigenbases computed elsewhere: columns of U/V are eigenvectors; None = identity."""
+        shape = self._check_kfac_shape(name, S, D)
+        row_side = self._add_eigen_side(U, S, shape[0], name, "U/S")
+        column_side = self._add_eigen_side(V, D, shape[1], name, "V/D")
+        self._add_entry(name, "kfac", {"rows": row_side, "columns": column_side})
+
+    def _check_kfac_shape(self, name: str, row: torch.Tensor, column: torch.Tensor) -> tuple[int, ...]:
+        shape = self._check_weight(name, "kfac")
+        if len(shape) != 2:
+            raise GraftError(f"KFAC entry for {name!r}: weight has shape {shape}, KFAC needs a 2-D weight")
+        for side, factor, size in (("row", row, shape[0]), ("column", column, shape[1])):
+            if factor.shape[0] != size or factor.ndim not in (1, 2) or (factor.ndim == 2 and factor.shape[1] != size):
+                raise GraftError(
+                    f"KFAC {side} factor for {name!r} has shape {tuple(factor.shape)}; weight {shape} needs {size}"
+                )
+        return shape
+
+    def _add_side(self, factor: torch.Tensor, size: int, name: str, label: str) -> str:
+        factor = factor.detach().to("cpu", torch.float64)
+        digest = hashlib.sha256(factor.contiguous().numpy().tobytes()).hexdigest()
+        if digest in self._factor_by_digest:
+            return self._factor_by_digest[digest]
+        if not torch.isfinite(factor).all():
+            raise GraftError(f"KFAC factor {label} for {name!r} contains NaN or Inf")
+        if factor.ndim == 1:
+            eigenvectors, eigenvalues = None, factor
+        else:
+            eigenvalues, eigenvectors = torch.linalg.eigh((factor + factor.T) / 2)
+        eigenvalues, clamped = _clamp_eigenvalues(eigenvalues, f"KFAC factor {label} for {name!r}")
+        self._clamped += clamped
+        key = self._put_side(name, label, eigenvectors, eigenvalues, clamped)
+        self._factor_by_digest[digest] = key
+        return key
+
+    def _add_eigen_side(
+        self, vectors: torch.Tensor | None, values: torch.Tensor, size: int, name: str, label: str
+    ) -> str:
+        values = values.detach().to("cpu", torch.float64)
+        if values.ndim != 1:
+            raise GraftError(f"KFAC eigenvalues {label} for {name!r} must be 1-D, got {tuple(values.shape)}")
+        if vectors is not None:
+            vectors = vectors.detach().to("cpu", torch.float64)
+            if tuple(vectors.shape) != (size, values.shape[0]):
+                raise GraftError(
+                    f"KFAC eigenvectors {label} for {name!r} have shape {tuple(vectors.shape)}, need ({size}, {values.shape[0]})"
+                )
+            check_orthonormal(vectors, f"KFAC eigenvectors {label} for {name!r}")
+        hasher = hashlib.sha256(values.numpy().tobytes())
+        if vectors is not None:
+            hasher.update(vectors.contiguous().numpy().tobytes())
+        digest = "eigen:" + hasher.hexdigest()
+        if digest in self._factor_by_digest:
+            return self._factor_by_digest[digest]
+        values, clamped = _clamp_eigenvalues(values, f"KFAC eigenvalues {label} for {name!r}")
+        self._clamped += clamped
+        key = self._put_side(name, label, vectors, values, clamped)
+        self._factor_by_digest[digest] = key
+        return key
+
+    def _put_side(
+        self, name: str, label: str, vectors: torch.Tensor | None, values: torch.Tensor, clamped: int
+    ) -> str:
+        key = f"kfac/{name}/{'rows' if label[0] in 'PU' else 'columns'}"
+        self._store(f"{key}/eigenvalues", values.to(torch.float32).contiguous())
+        record: dict[str, Any] = {"eigenvalues": f"{key}/eigenvalues", "size": int(values.shape[0]), "clamped": clamped}
+        if vectors is not None:
+            self._store(f"{key}/eigenvectors", vectors.to(torch.float32).contiguous())
+            record["eigenvectors"] = f"{key}/eigenvectors"
+        self._factors[key] = record
+        return key
+
+    # -- storage ------------------------------------------------------------
+    def _store(self, key: str, tensor: torch.Tensor) -> None:
+        self._ensure_tmp()
+        self._pending[key] = tensor
+        self._pending_bytes += tensor.numel() * tensor.element_size()
+        if self._pending_bytes >= self._max_shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        self._shard_count += 1
+        shard = f"fisher-{self._shard_count:05d}.safetensors"
+        tmp = self._ensure_tmp()
+        save_file(self._pending, str(tmp / (shard + ".tmp")), metadata={"format": "pt"})
+        os.replace(tmp / (shard + ".tmp"), tmp / shard)
+        for key in self._pending:
+            self._files[key] = shard
+        self._pending = {}
+        self._pending_bytes = 0
+
+    def close(self) -> Path:
+        """Flush shards, write the manifest last, and move the cache into place."""
+        if self._closed:
+            return self.path
+        tmp = self._ensure_tmp()
+        self._flush()
+        kinds = {r for entry in self._entries.values() for r in ("diagonal", "kfac") if r in entry}
+        kind = kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "empty")
+        manifest = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "kind": kind,
+            "graftmerge_version": __version__,
+            "model": self.model_info,
+            "estimator": self.estimator,
+            "counts": self.counts,
+            "clamped_eigenvalues": self._clamped,
+            "entries": self._entries,
+            "factors": self._factors,
+            "files": self._files,
+        }
+        (tmp / (MANIFEST_NAME + ".tmp")).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        os.replace(tmp / (MANIFEST_NAME + ".tmp"), tmp / MANIFEST_NAME)
+        if self.path.exists():
+            old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
+            os.replace(self.path, old)
+            os.replace(tmp, self.path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, self.path)
+        self._closed = True
+        return self.path
+
+    def abort(self) -> None:
+        """Discard everything written so far."""
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        self._closed = True
+
+
+def _clamp_eigenvalues(values: torch.Tensor, where: str) -> tuple[torch.Tensor, int]:
+    if not torch.isfinite(values).all():
+        raise GraftError(f"{where} contains NaN or Inf")
+    scale = max(float(values.abs().max()), 1e-30) if values.numel() else 1.0
+    if (values < -EIGENVALUE_TOLERANCE * scale).any():
+        raise GraftError(f"{where} has eigenvalue {float(values.min()):.3g} below zero (not positive semi-definite)")
+    negative = values < 0
+    return values.clamp_min(0), int(negative.sum())
+
+
+def check_orthonormal(vectors: torch.Tensor, where: str, tolerance: float = ORTHONORMAL_TOLERANCE) -> None:
+    """Columns of ``vectors`` must be orthonormal within ``tolerance`` (max abs error of VᵀV − I)."""
+    vectors = vectors.to(torch.float64)
+    gram = vectors.T @ vectors
+    error = float((gram - torch.eye(gram.shape[0], dtype=gram.dtype)).abs().max()) if gram.numel() else 0.0
+    if error > tolerance:
+        raise GraftError(f"{where} are not orthonormal (max |VᵀV − I| = {error:.2g} > {tolerance:g})")
+
+
+class FisherCache:
+    """A Fisher cache opened for lazy reading, one tensor at a time."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise GraftError(f"Fisher cache {self.path} does not exist")
+        manifest_file = self.path / MANIFEST_NAME
+        if not self.path.is_dir() or not manifest_file.exists():
+            raise GraftError(
+                f"{self.path} is not a Fisher cache (no {MANIFEST_NAME}; an interrupted write leaves none)"
+            )
+        try:
+            self.manifest = json.loads(manifest_file.read_text())
+        except json.JSONDecodeError as error:
+            raise GraftError(f"{manifest_file}: corrupt manifest ({error.msg})") from error
+        if self.manifest.get("format") != FORMAT_NAME:
+            raise GraftError(f"{manifest_file}: not a graftmerge Fisher manifest")
+        version = self.manifest.get("format_version")
+        if version != FORMAT_VERSION:
+            raise GraftError(
+                f"{manifest_file}: format version {version} is not supported (this graftmerge reads v{FORMAT_VERSION}; upgrade graftmerge)"
+            )
+        self.entries: dict[str, dict[str, Any]] = self.manifest["entries"]
+        self._factors: dict[str, dict[str, Any]] = self.manifest.get("factors", {})
+        self._files: dict[str, str] = self.manifest["files"]
+        missing = sorted({f for f in self._files.values() if not (self.path / f).exists()})
+        if missing:
+            raise GraftError(f"Fisher cache {self.path} is missing shard(s) {', '.join(missing)}")
+        self._handles: dict[str, Any] = {}
+
+    @property
+    def kind(self) -> str:
+        return self.manifest["kind"]
+
+    @property
+    def model_tensors(self) -> dict[str, dict[str, Any]]:
+        return self.manifest["model"]["tensors"]
+
+    def representation(self, name: str) -> str | None:
+        """The weight's own representation (``kfac`` when it has factors), None if absent."""
+        entry = self.entries.get(name)
+        return entry["representation"] if entry else None
+
+    def has(self, name: str, representation: str) -> bool:
+        return representation in self.entries.get(name, {})
+
+    def names(self, representation: str | None = None) -> list[str]:
+        """Weights with an entry (of ``representation``, when given)."""
+        return sorted(n for n, e in self.entries.items() if representation is None or representation in e)
+
+    def _read(self, key: str) -> torch.Tensor:
+        file = self._files[key]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        return handle.get_tensor(key).to(torch.float32)
+
+    def diagonal(self, name: str) -> torch.Tensor:
+        """The diagonal Fisher of weight ``name`` (float32, shaped like the weight), value-checked."""
+        if not self.has(name, "diagonal"):
+            raise GraftError(f"Fisher cache {self.path} has no diagonal entry for {name!r}")
+        tensor = self._read(self.entries[name]["diagonal"]["key"])
+        _check_values(tensor, f"Fisher cache {self.path}: {name!r}")
+        return tensor
+
+    def kfac(self, name: str) -> KfacFactors:
+        """The KFAC eigenbases of weight ``name``: ``(U, S, V, D)`` in its row/column layout."""
+        if not self.has(name, "kfac"):
+            raise GraftError(f"Fisher cache {self.path} has no KFAC entry for {name!r}")
+        entry = self.entries[name]["kfac"]
+        U, S = self._side(entry["rows"], name)
+        V, D = self._side(entry["columns"], name)
+        return KfacFactors(U=U, S=S, V=V, D=D)
+
+    def _side(self, key: str, name: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+        record = self._factors[key]
+        values = self._read(record["eigenvalues"])
+        _check_values(values, f"Fisher cache {self.path}: eigenvalues of {key} ({name!r})")
+        vectors = self._read(record["eigenvectors"]) if "eigenvectors" in record else None
+        if vectors is not None:
+            if not torch.isfinite(vectors).all():
+                raise GraftError(f"Fisher cache {self.path}: eigenvectors of {key} ({name!r}) contain NaN or Inf")
+            check_orthonormal(vectors, f"Fisher cache {self.path}: eigenvectors of {key} ({name!r})")
+        return vectors, values
+
+    def check_fits(self, checkpoint: Checkpoint) -> None:
+        """Refuse a cache made for another model (names or shapes differ)."""
+        cached = self.model_tensors
+        actual = checkpoint.fingerprint()
+        only_cache = sorted(set(cached) - set(actual))
+        only_model = sorted(n for n in set(actual) - set(cached))
+        if only_cache or only_model:
+            detail = (
+                f"{len(only_cache)} tensor(s) only in the cache (e.g. {only_cache[:3]})" if only_cache else ""
+            ) + ("; " if only_cache and only_model else "") + (
+                f"{len(only_model)} only in the model (e.g. {only_model[:3]})" if only_model else ""
+            )
+            raise GraftError(
+                f"Fisher cache {self.path} was made for another model than {checkpoint.label} ({detail})"
+            )
+        for name, info in actual.items():
+            if list(cached[name]["shape"]) != info["shape"]:
+                raise GraftError(
+                    f"Fisher cache {self.path} was made for another model: {name!r} has shape "
+                    f"{tuple(cached[name]['shape'])} in the cache, {tuple(info['shape'])} in {checkpoint.label}"
+                )
+        for name in self.entries:
+            if name not in actual:
+                raise GraftError(f"Fisher cache {self.path} has an entry for unknown tensor {name!r}")
+
+    def file_stamps(self) -> list[tuple[str, int, int]]:
+        stamps = []
+        for file in sorted({*self._files.values(), MANIFEST_NAME}):
+            stat = (self.path / file).stat()
+            stamps.append((str((self.path / file).resolve()), stat.st_size, stat.st_mtime_ns))
+        return stamps
+
+
+def open_fisher_cache(path: str | os.PathLike) -> FisherCache:
+    """Open a Fisher cache folder; raise GraftError if it is missing or not a cache."""
+    return FisherCache(path)
