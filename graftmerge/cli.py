@@ -1,0 +1,64 @@
+"""The ``graftmerge`` command: thin click wrappers over the library.
+
+Every subcommand turns a :class:`GraftError` into ``error: <message>`` and a
+non-zero exit; ``-v`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from graftmerge import __version__
+from graftmerge.errors import GraftError
+
+
+def report_errors(command):
+    """Print GraftError as one line and exit 2; re-raise it with ``-v``/``--verbose``."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except GraftError as error:
+            if _verbose():
+                raise
+            click.echo(f"error: {error}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def _verbose() -> bool:
+    return any(arg in ("-v", "--verbose", "-vv") for arg in sys.argv[1:])
+
+
+class _LazyGroup(click.Group):
+    """Import each subcommand's module only when it is used (keeps --help fast)."""
+
+    _lazy = {
+        "fisher": ("graftmerge.estimate.cli", "fisher"),
+    }
+
+    def list_commands(self, ctx):
+        return sorted([*super().list_commands(ctx), *self._lazy])
+
+    def get_command(self, ctx, name):
+        if name in self._lazy:
+            module, attribute = self._lazy[name]
+            return getattr(__import__(module, fromlist=[attribute]), attribute)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="graftmerge")
+def main() -> None:
+    """Graft a fine-tuning delta learned on a donor checkpoint onto a post-trained model.
+
+    \b
+    graftmerge merge graft.yml out/        run a graft config (same as mergekit-yaml)
+    graftmerge demo                        tiny end-to-end graft on generated models
+    graftmerge fisher estimate MODEL ...   estimate a retention Fisher cache
+    """

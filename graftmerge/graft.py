@@ -1,0 +1,116 @@
+"""Grafting one tensor, and running a whole graft config through mergekit safely.
+
+``graft_tensor`` is what the mergekit kernel calls for every weight.
+``run_graft_merge`` wraps mergekit's ``run_merge``: it validates the whole
+config and runs the global threshold pass before mergekit loads a tensor, and
+stages the output so a failed merge leaves nothing in OUT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from graftmerge.donor_delta import donor_delta
+from graftmerge.errors import GraftError
+from graftmerge.graft_plan import GraftInputs, GraftPlan, open_inputs, plan_from_merge_config
+from graftmerge.projection import remove_masked, score_delta
+from graftmerge.selection import mask_from_threshold, masked_count, top_k_mask
+from graftmerge.threshold_pass import global_threshold
+
+# Plans validated by run_graft_merge, by everything but dtype: the kernel sees
+# tensors already cast and cannot read the config's dtype itself.
+_VALIDATED_PLANS: dict[GraftPlan, GraftPlan] = {}
+
+
+def _without_dtype(plan: GraftPlan) -> GraftPlan:
+    return dataclasses.replace(plan, dtype=None)
+
+
+def validated_plan(plan: GraftPlan) -> GraftPlan:
+    """The plan run_graft_merge validated for this config (with its dtype), else ``plan``."""
+    return _VALIDATED_PLANS.get(_without_dtype(plan), plan)
+
+
+def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True) -> None:
+    """Everything a mask needs before the first tensor: the global threshold, or a value scan."""
+    if not inputs.plan.masked:
+        return
+    if inputs.plan.rho_scope == "global":
+        global_threshold(inputs, device=device, progress=progress)
+    else:
+        for name in inputs.ranked_names():
+            inputs.tensor_fisher(name)  # raises on NaN, Inf or negative entries
+
+
+def graft_tensor(
+    plan: GraftPlan,
+    name: str,
+    post: torch.Tensor,
+    donor: torch.Tensor,
+    fine_tunes: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """θpost + M_ρ(Δ) for one tensor; inputs already in the working dtype, on the math device."""
+    delta = donor_delta(donor, fine_tunes, plan.lambdas)
+    if plan.masked:
+        inputs = open_inputs(plan)
+        if inputs.fisher_kind(name):
+            fisher = inputs.tensor_fisher(name).to(delta.device)
+            scored = score_delta(delta, fisher)
+            if plan.rho_scope == "tensor":
+                mask = top_k_mask(scored.scores, masked_count(plan.rho, scored.scores.numel()))
+            else:
+                threshold = global_threshold(inputs, device=str(delta.device), progress=False)
+                mask = mask_from_threshold(scored.scores, threshold.threshold, threshold.tie_quota.get(name, 0))
+            delta = remove_masked(scored, mask, fisher)
+    return (post.to(delta.dtype) + delta).to(post.dtype)
+
+
+@contextlib.contextmanager
+def staged_output(out_path: str | os.PathLike) -> Iterator[str]:
+    """Yield a hidden folder to write into; move its files to ``out_path`` only on success."""
+    out = Path(out_path).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging_root = Path(tempfile.mkdtemp(prefix=".graft-partial-", dir=out.parent))
+    staging = staging_root / out.name  # same basename: mergekit names the model card after it
+    try:
+        yield str(staging)
+        if not out.exists():
+            os.replace(staging, out)
+        else:
+            for item in staging.iterdir():
+                target = out / item.name
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                os.replace(item, target)
+    finally:
+        shutil.rmtree(staging_root, ignore_errors=True)
+
+
+def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, config_source=None):
+    """mergekit's ``run_merge`` for a graft config: validate, pre-pass, staged output."""
+    try:
+        plan = plan_from_merge_config(merge_config)
+        inputs = open_inputs(plan)
+        prepare(inputs, device=options.device or "cpu", progress=not options.quiet)
+        _VALIDATED_PLANS[_without_dtype(plan)] = plan
+        with staged_output(out_path) as staging:
+            return run_merge(merge_config, staging, options=options, config_source=config_source)
+    except GraftError as error:
+        raise_for_cli(error, verbose=options.verbosity > 0)
+
+
+def raise_for_cli(error: GraftError, verbose: bool):
+    """Inside a click command, a one-line ``Error:`` and exit 1; with ``-v``, the traceback."""
+    import click
+
+    if not verbose and click.get_current_context(silent=True) is not None:
+        raise click.ClickException(str(error)) from None
+    raise error

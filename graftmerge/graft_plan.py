@@ -1,0 +1,283 @@
+"""A graft config, resolved and validated before any tensor is loaded.
+
+``GraftPlan`` is the pure description (paths and numbers); ``GraftInputs`` opens
+it (safetensors headers, the Fisher cache manifest) and answers per-tensor
+questions: which dtype, which Fisher representation, which tensors are ranked.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from graftmerge.checkpoint import Checkpoint
+from graftmerge.donor_delta import donor_delta
+from graftmerge.errors import GraftError
+from graftmerge.fisher.cache import FisherCache, open_fisher_cache
+from graftmerge.projection import TensorFisher
+
+ROLES = ("donor", "donor_ft")
+MODEL_PARAMETERS = ("role", "weight")
+GLOBAL_PARAMETERS = ("lambda", "rho", "fisher", "rho_scope", "mask")
+RHO_SCOPES = ("global", "tensor")
+MASK_KINDS = ("auto", "diagonal", "kfac")
+
+
+@dataclass(frozen=True)
+class FineTune:
+    path: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class GraftPlan:
+    """θ = θpost + M_ρ(Σ_i lambda·weight_i (θft_i − θdonor))."""
+
+    post: str
+    donor: str
+    fine_tunes: tuple[FineTune, ...]
+    lam: float = 1.0
+    rho: float = 0.0
+    fisher: str | None = None
+    rho_scope: str = "global"
+    mask: str = "auto"
+    dtype: str | None = None
+
+    @property
+    def lambdas(self) -> list[float]:
+        return [self.lam * ft.weight for ft in self.fine_tunes]
+
+    @property
+    def masked(self) -> bool:
+        return self.rho > 0
+
+    def check(self) -> None:
+        """Parameter-level checks (no file access beyond existence)."""
+        for label, value in [("lambda", self.lam)] + [(f"weight of {f.path}", f.weight) for f in self.fine_tunes]:
+            if not math.isfinite(value):
+                raise GraftError(f"graft parameter {label} must be a finite number, got {value}")
+        if not 0 <= self.rho < 1:
+            raise GraftError(f"graft parameter rho must be in [0, 1), got {self.rho}")
+        if self.rho_scope not in RHO_SCOPES:
+            raise GraftError(f"graft parameter rho_scope must be one of {', '.join(RHO_SCOPES)}, got {self.rho_scope!r}")
+        if self.mask not in MASK_KINDS:
+            raise GraftError(f"graft parameter mask must be one of {', '.join(MASK_KINDS)}, got {self.mask!r}")
+        if self.rho > 0 and not self.fisher:
+            raise GraftError("graft parameter rho > 0 needs `fisher: <Fisher cache folder>` (see graftmerge fisher estimate)")
+
+
+def resolve_model_folder(path: str, revision: str | None = None) -> str:
+    """A local folder for a model reference: the path itself, or its snapshot in the HF cache."""
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise GraftError(f"model {path} is a file; give the model's folder")
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") != 1
+    if not looks_local:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(path, revision=revision, local_files_only=True)
+        except Exception:  # noqa: BLE001 - any failure means "not in the local cache"
+            pass
+        raise GraftError(
+            f"model {path} is not a local folder and not in the local Hugging Face cache "
+            f"(download it first: `hf download {path}`)"
+        )
+    raise GraftError(f"model folder {path} does not exist")
+
+
+@dataclass
+class GraftInputs:
+    """The opened inputs of a plan: checkpoints (headers only) and the Fisher cache."""
+
+    plan: GraftPlan
+    post: Checkpoint
+    donor: Checkpoint
+    fine_tunes: list[Checkpoint]
+    fisher: FisherCache | None
+    _fisher_kind: dict[str, str | None] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, plan: GraftPlan) -> GraftInputs:
+        plan.check()
+        post = Checkpoint(plan.post, label=f"post model {plan.post}")
+        donor = Checkpoint(plan.donor, label=f"donor {plan.donor}")
+        fine_tunes = [Checkpoint(ft.path, label=f"donor_ft {ft.path}") for ft in plan.fine_tunes]
+        _check_same_tensors(post, [donor, *fine_tunes])
+        fisher = None
+        if plan.masked:
+            fisher = open_fisher_cache(plan.fisher)
+            fisher.check_fits(post)
+            _check_kfac_sizes(fisher, post)
+            if plan.mask == "kfac" and not fisher.names("kfac"):
+                raise GraftError(f"mask: kfac, but Fisher cache {plan.fisher} has no KFAC entries (kind {fisher.kind})")
+        return cls(plan, post, donor, fine_tunes, fisher)
+
+    def fisher_kind(self, name: str) -> str | None:
+        """'diagonal', 'kfac' or None (not ranked, Δ applied unmasked) for tensor ``name``."""
+        if name not in self._fisher_kind:
+            self._fisher_kind[name] = self._choose_kind(name)
+        return self._fisher_kind[name]
+
+    def _choose_kind(self, name: str) -> str | None:
+        if self.fisher is None or name not in self.post.tensors or not self.post.tensors[name].is_floating:
+            return None
+        has_kfac, has_diag = self.fisher.has(name, "kfac"), self.fisher.has(name, "diagonal")
+        if self.plan.mask == "diagonal":
+            return "diagonal" if has_diag else None
+        if self.plan.mask == "kfac":
+            return "kfac" if has_kfac else ("diagonal" if has_diag else None)
+        return self.fisher.representation(name)
+
+    def ranked_names(self) -> list[str]:
+        """Tensors whose directions are scored, in the canonical (tie-breaking) order."""
+        return [name for name in sorted(self.post.tensors) if self.fisher_kind(name)]
+
+    def direction_count(self, name: str) -> int:
+        return self.post.tensors[name].numel
+
+    def tensor_fisher(self, name: str) -> TensorFisher:
+        kind = self.fisher_kind(name)
+        if kind == "kfac":
+            return TensorFisher(kfac=self.fisher.kfac(name))
+        return TensorFisher(diagonal=self.fisher.diagonal(name))
+
+    def working_dtype(self, name: str) -> torch.dtype:
+        """The dtype mergekit hands the kernel: config dtype, else the inputs' promoted dtype."""
+        if self.plan.dtype:
+            from mergekit.common import dtype_from_name
+
+            return dtype_from_name(self.plan.dtype)
+        dtype = self.post.tensors[name].torch_dtype
+        for checkpoint in (self.donor, *self.fine_tunes):
+            dtype = torch.promote_types(dtype, checkpoint.tensors[name].torch_dtype)
+        return dtype
+
+    def read_delta(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Δ for one tensor, computed exactly as the merge kernel computes it."""
+        dtype = self.working_dtype(name)
+        donor = self.donor.read(name).to(device=device, dtype=dtype)
+        fine_tunes = [ft.read(name).to(device=device, dtype=dtype) for ft in self.fine_tunes]
+        return donor_delta(donor, fine_tunes, self.plan.lambdas)
+
+
+@lru_cache(maxsize=8)
+def open_inputs(plan: GraftPlan) -> GraftInputs:
+    """GraftInputs.open, once per plan per process (the merge kernel calls it per tensor)."""
+    return GraftInputs.open(plan)
+
+
+def _check_same_tensors(post: Checkpoint, others: list[Checkpoint]) -> None:
+    for other in others:
+        only_post = sorted(set(post.tensors) - set(other.tensors))
+        only_other = sorted(set(other.tensors) - set(post.tensors))
+        if only_post or only_other:
+            parts = []
+            if only_post:
+                parts.append(f"missing from {other.label}: {', '.join(only_post[:5])}" + (" ..." if len(only_post) > 5 else ""))
+            if only_other:
+                parts.append(f"only in {other.label}: {', '.join(only_other[:5])}" + (" ..." if len(only_other) > 5 else ""))
+            raise GraftError(f"tensors differ between {post.label} and {other.label} ({'; '.join(parts)})")
+        for name, info in post.tensors.items():
+            theirs = other.tensors[name]
+            if theirs.shape != info.shape:
+                raise GraftError(
+                    f"shape mismatch for {name}: {info.shape} in {post.label}, {theirs.shape} in {other.label}"
+                )
+
+
+def _check_kfac_sizes(fisher: FisherCache, post: Checkpoint) -> None:
+    for name in fisher.names("kfac"):
+        shape = post.tensors[name].shape
+        if len(shape) != 2:
+            raise GraftError(f"Fisher cache {fisher.path}: KFAC entry for {name!r}, which is not 2-D (shape {shape})")
+        entry = fisher.entries[name]["kfac"]
+        for side, dim in (("rows", 0), ("columns", 1)):
+            size = fisher.manifest["factors"][entry[side]]["size"]
+            if size != shape[dim]:
+                raise GraftError(
+                    f"Fisher cache {fisher.path}: KFAC {side} factor of {name!r} has size {size}, weight {shape} needs {shape[dim]}"
+                )
+
+
+def _scalar(value, label: str):
+    if isinstance(value, (list, dict)) or hasattr(value, "filter"):
+        raise GraftError(
+            f"graft parameter {label} must be a single value (graft does not support per-tensor gradients or filters)"
+        )
+    return value
+
+
+def _number(value, label: str) -> float:
+    value = _scalar(value, label)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise GraftError(f"graft parameter {label} must be a number, got {value!r}") from None
+    return float(value)
+
+
+def plan_from_merge_config(config) -> GraftPlan:
+    """Validate a mergekit ``MergeConfiguration`` with ``merge_method: graft``; no tensor IO."""
+    if config.slices or config.modules or not config.models:
+        raise GraftError("graft configs list inputs under `models:` (slices and modules are not supported)")
+    if config.base_model is None:
+        raise GraftError("graft needs `base_model:` — the post-trained model that receives the graft")
+    parameters = dict(config.parameters or {})
+    unknown = sorted(set(parameters) - set(GLOBAL_PARAMETERS))
+    if unknown:
+        raise GraftError(f"unknown graft parameter(s) {', '.join(unknown)}; known: {', '.join(GLOBAL_PARAMETERS)}")
+    donors, fine_tunes, seen = [], [], {str(config.base_model): "base_model"}
+    for entry in config.models:
+        reference = entry.model
+        label = str(reference)
+        if reference.lora is not None:
+            raise GraftError(f"model {label}: LoRA references are not supported by graft; merge the adapter first")
+        if label in seen:
+            raise GraftError(f"model {label} is listed twice (as {seen[label]} and again); each input appears once")
+        model_parameters = dict(entry.parameters or {})
+        unknown = sorted(set(model_parameters) - set(MODEL_PARAMETERS))
+        if unknown:
+            raise GraftError(f"model {label}: unknown parameter(s) {', '.join(unknown)}; known: role, weight")
+        role = _scalar(model_parameters.get("role"), f"role of {label}")
+        if role is None:
+            raise GraftError(f"model {label} has no role; set `parameters: {{role: donor}}` or `{{role: donor_ft}}`")
+        if role not in ROLES:
+            raise GraftError(f"model {label} has unknown role {role!r}; roles are {', '.join(ROLES)}")
+        seen[label] = f"role {role}"
+        folder = resolve_model_folder(reference.model.path, reference.model.revision)
+        if role == "donor":
+            if "weight" in model_parameters:
+                raise GraftError(f"model {label}: `weight` belongs on donor_ft inputs, not on the donor")
+            donors.append(folder)
+        else:
+            weight = _number(model_parameters.get("weight", 1.0), f"weight of {label}")
+            fine_tunes.append(FineTune(folder, weight))
+    if len(donors) > 1:
+        raise GraftError(f"duplicate role donor ({len(donors)} models); a graft has exactly one donor")
+    if not fine_tunes:
+        raise GraftError("graft needs at least one model with role donor_ft (the fine-tuned donor)")
+    if not donors:
+        raise GraftError("donor_ft given without a donor; add the checkpoint it was fine-tuned from with role donor")
+    fisher = parameters.get("fisher")
+    fisher = None if fisher is None else str(_scalar(fisher, "fisher"))
+    plan = GraftPlan(
+        post=resolve_model_folder(config.base_model.model.path, config.base_model.model.revision),
+        donor=donors[0],
+        fine_tunes=tuple(fine_tunes),
+        lam=_number(parameters.get("lambda", 1.0), "lambda"),
+        rho=_number(parameters.get("rho", 0.0), "rho"),
+        fisher=fisher,
+        rho_scope=str(_scalar(parameters.get("rho_scope", "global"), "rho_scope")),
+        mask=str(_scalar(parameters.get("mask", "auto"), "mask")),
+        dtype=config.dtype,
+    )
+    plan.check()
+    return plan
+

@@ -1,0 +1,64 @@
+"""Remove the masked directions from a delta (SPEC §2). Pure tensor math.
+
+Written as "Δ minus the masked part" so an empty mask returns Δ exactly and a
+basis holding only the leading eigenvectors still projects correctly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graftmerge.fisher.cache import KfacFactors
+from graftmerge.scores import diagonal_scores, kfac_rotate, kfac_scores
+
+
+@dataclass(frozen=True)
+class TensorFisher:
+    """The Fisher information one tensor is masked with: a diagonal, or KFAC factors."""
+
+    diagonal: torch.Tensor | None = None
+    kfac: KfacFactors | None = None
+
+    def to(self, device: torch.device | str) -> TensorFisher:
+        if self.kfac is not None:
+            k = self.kfac
+            move = lambda t: None if t is None else t.to(device)  # noqa: E731
+            return TensorFisher(kfac=KfacFactors(move(k.U), move(k.S), move(k.V), move(k.D)))
+        return TensorFisher(diagonal=self.diagonal.to(device))
+
+
+@dataclass(frozen=True)
+class ScoredDelta:
+    """A delta with its ranking scores (float32) in the basis the mask acts on."""
+
+    delta: torch.Tensor
+    scores: torch.Tensor
+    rotated: torch.Tensor | None  # Δ̃ for KFAC, None for diagonal
+
+
+def score_delta(delta: torch.Tensor, fisher: TensorFisher) -> ScoredDelta:
+    """Scores of every direction of ``delta``: coordinates, or KFAC pairs ``u_i v_jᵀ``."""
+    if fisher.kfac is not None:
+        k = fisher.kfac
+        rotated = kfac_rotate(delta, k.U, k.V)
+        scores = kfac_scores(rotated, k.S, k.D).to(torch.float32)
+        return ScoredDelta(delta, scores, rotated)
+    return ScoredDelta(delta, diagonal_scores(fisher.diagonal, delta).to(torch.float32), None)
+
+
+def remove_masked(scored: ScoredDelta, mask: torch.Tensor, fisher: TensorFisher) -> torch.Tensor:
+    """``Δ' = Δ − (masked part)``: zeroed coordinates, or ``U (1_S ⊙ Δ̃) Vᵀ`` for KFAC."""
+    delta = scored.delta
+    if not bool(mask.any()):
+        return delta
+    if fisher.kfac is None:
+        return delta.masked_fill(mask, 0)
+    k = fisher.kfac
+    masked_part = torch.where(mask, scored.rotated, torch.zeros((), dtype=delta.dtype, device=delta.device))
+    if k.U is not None:
+        masked_part = k.U.to(delta.dtype) @ masked_part
+    if k.V is not None:
+        masked_part = masked_part @ k.V.T.to(delta.dtype)
+    return delta - masked_part

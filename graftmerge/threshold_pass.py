@@ -1,0 +1,91 @@
+"""The streaming pre-pass that fixes the global mask threshold, and its result cache.
+
+Each merge call sees one tensor, but a global top-ρ mask depends on every
+tensor: this pass reads the deltas and the Fisher once (twice for tensors
+touching the boundary bin) before the merge, and stores the result keyed by a
+fingerprint of the inputs, the cache and the parameters, so a second run with
+the same inputs skips it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from graftmerge import __version__
+from graftmerge.global_threshold import GlobalThreshold, ThresholdSearch
+from graftmerge.graft_plan import GraftInputs
+from graftmerge.projection import score_delta
+from graftmerge.selection import masked_count
+
+_MEMORY: dict[str, GlobalThreshold] = {}
+
+
+def cache_dir() -> Path:
+    """``$GRAFTMERGE_CACHE_DIR``, else ``$XDG_CACHE_HOME/graftmerge``, else ``~/.cache/graftmerge``."""
+    if os.environ.get("GRAFTMERGE_CACHE_DIR"):
+        return Path(os.environ["GRAFTMERGE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "graftmerge"
+
+
+def threshold_key(inputs: GraftInputs, device: str) -> str:
+    """Fingerprint of everything the threshold depends on (files by path, size and mtime)."""
+    plan = dataclasses.asdict(inputs.plan)
+    plan.pop("post")  # Δ and F do not depend on θpost; the cache was checked against it
+    payload = {
+        "graftmerge": __version__,
+        "plan": plan,
+        "donor": inputs.donor.file_stamps(),
+        "fine_tunes": [ft.file_stamps() for ft in inputs.fine_tunes],
+        "fisher": inputs.fisher.file_stamps(),
+        "device": torch.device(device).type,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def global_threshold(inputs: GraftInputs, device: str = "cpu", progress: bool = True) -> GlobalThreshold:
+    """The global threshold for a plan: from memory, the on-disk cache, or a fresh pass."""
+    key = threshold_key(inputs, device)
+    if key in _MEMORY:
+        return _MEMORY[key]
+    file = cache_dir() / "thresholds" / f"{key}.json"
+    if file.exists():
+        try:
+            result = GlobalThreshold.from_json(json.loads(file.read_text()))
+        except (json.JSONDecodeError, KeyError, ValueError):
+            result = None  # a damaged cache entry is recomputed
+        if result is not None:
+            _MEMORY[key] = result
+            return result
+    result = compute_global_threshold(inputs, device=device, progress=progress)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(result.to_json()))
+    os.replace(tmp, file)
+    _MEMORY[key] = result
+    return result
+
+
+def compute_global_threshold(inputs: GraftInputs, device: str = "cpu", progress: bool = True) -> GlobalThreshold:
+    """Radix-select the exact ⌈ρ·D⌉-th largest score over all ranked tensors, streaming."""
+    names = inputs.ranked_names()
+    total = sum(inputs.direction_count(name) for name in names)
+    search = ThresholdSearch(k=masked_count(inputs.plan.rho, total), total=total)
+
+    def scores(name: str) -> torch.Tensor:
+        delta = inputs.read_delta(name, device)
+        return score_delta(delta, inputs.tensor_fisher(name).to(device)).scores
+
+    for name in tqdm(names, desc="graft threshold (pass 1/2)", disable=not progress, unit="tensor"):
+        search.add_coarse(name, scores(name))
+    if search.needs_fine_pass():
+        for name in tqdm(search.fine_pass_names(), desc="graft threshold (pass 2/2)", disable=not progress, unit="tensor"):
+            search.add_fine(name, scores(name))
+    return search.result()
