@@ -30,9 +30,7 @@ class _PatchingLoader(importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
-        target_module, function = _AFTER_IMPORT[self._fullname]
-        __import__(target_module)
-        getattr(sys.modules[target_module], function)(module)
+        _call_after_import(self._fullname, module)
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
@@ -53,7 +51,16 @@ def install() -> None:
     """Idempotent: at most one finder, and modules already imported get patched now."""
     if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
-    for name, (target_module, function) in _AFTER_IMPORT.items():
+    for name in _AFTER_IMPORT:
         if name in sys.modules:
-            __import__(target_module)
-            getattr(sys.modules[target_module], function)(sys.modules[name])
+            _call_after_import(name, sys.modules[name])
+
+
+def _call_after_import(name: str, module) -> None:
+    target_module, function = _AFTER_IMPORT[name]
+    __import__(target_module)
+    # When graftmerge.mergekit_method itself triggered this import it is still
+    # half-initialised; it registers itself once its own import finishes.
+    callback = getattr(sys.modules[target_module], function, None)
+    if callback is not None:
+        callback(module)

@@ -12,11 +12,11 @@ import sys
 import click
 
 from graftmerge import __version__
-from graftmerge.errors import GraftError
+from graftmerge.errors import GraftError, cli_error
 
 
 def report_errors(command):
-    """Print GraftError as one line and exit 2; re-raise it with ``-v``/``--verbose``."""
+    """GraftError becomes ``error: <message>`` and exit 2; ``-v``/``--verbose`` re-raises it."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -25,8 +25,7 @@ def report_errors(command):
         except GraftError as error:
             if _verbose():
                 raise
-            click.echo(f"error: {error}", err=True)
-            sys.exit(2)
+            raise cli_error(error) from None
 
     return wrapper
 
@@ -40,6 +39,8 @@ class _LazyGroup(click.Group):
 
     _lazy = {
         "fisher": ("graftmerge.estimate.cli", "fisher"),
+        "merge": ("graftmerge.merge_cli", "merge"),
+        "demo": ("graftmerge.demo", "demo"),
     }
 
     def list_commands(self, ctx):
@@ -48,7 +49,9 @@ class _LazyGroup(click.Group):
     def get_command(self, ctx, name):
         if name in self._lazy:
             module, attribute = self._lazy[name]
-            return getattr(__import__(module, fromlist=[attribute]), attribute)
+            command = getattr(__import__(module, fromlist=[attribute]), attribute)
+            command.callback = report_errors(command.callback)
+            return command
         return super().get_command(ctx, name)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from graftmerge.donor_delta import donor_delta
-from graftmerge.errors import GraftError
+from graftmerge.errors import GraftError, cli_error
 from graftmerge.graft_plan import GraftInputs, GraftPlan, open_inputs, plan_from_merge_config
 from graftmerge.projection import remove_masked, score_delta
 from graftmerge.selection import mask_from_threshold, masked_count, top_k_mask
@@ -112,5 +112,5 @@ def raise_for_cli(error: GraftError, verbose: bool):
     import click
 
     if not verbose and click.get_current_context(silent=True) is not None:
-        raise click.ClickException(str(error)) from None
+        raise cli_error(error) from None
     raise error

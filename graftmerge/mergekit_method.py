@@ -6,6 +6,7 @@ the stock ``mergekit-yaml`` knows ``merge_method: graft``.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch
@@ -90,9 +91,9 @@ def register_graft(registry_module=None) -> None:
 
 def wrap_run_merge(merge_module) -> None:
     """Route graft configs through run_graft_merge; other methods are untouched."""
-    original = merge_module.run_merge
-    if getattr(original, "_graftmerge_wrapped", False):
-        return
+    original = getattr(merge_module, "run_merge", None)
+    if original is None or getattr(original, "_graftmerge_wrapped", False):
+        return  # half-imported: the import hook wraps it once mergekit.merge finishes
 
     def run_merge(merge_config, out_path, options, config_source=None):
         if merge_config.merge_method != "graft":
@@ -102,3 +103,10 @@ def wrap_run_merge(merge_module) -> None:
     run_merge.__doc__ = original.__doc__
     run_merge._graftmerge_wrapped = True
     merge_module.run_merge = run_merge
+
+
+# Imported directly (not through the hook): register with whatever is loaded.
+if "mergekit.merge_methods.registry" in sys.modules:
+    register_graft(sys.modules["mergekit.merge_methods.registry"])
+if "mergekit.merge" in sys.modules:
+    wrap_run_merge(sys.modules["mergekit.merge"])

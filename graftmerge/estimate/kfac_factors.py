@@ -35,7 +35,9 @@ def squared_sum(x: torch.Tensor, token_mask: torch.Tensor, dtype: torch.dtype) -
     return (rows * rows).sum(dim=0)
 
 
-def token_count(input_ids: torch.Tensor, token_mask: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+def token_count(
+    input_ids: torch.Tensor, token_mask: torch.Tensor, vocab_size: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Σ_{n,t} onehot(id) onehotᵀ as a vector: how often each token id occurs, (vocab,).
 
     The input of an embedding is one-hot, so its input factor is diagonal.

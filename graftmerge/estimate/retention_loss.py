@@ -30,6 +30,8 @@ def summed_sequence_losses(
     dtype = torch.promote_types(logits.dtype, torch.float32)
     predicted = logits[:, :-1].to(dtype)  # (B, T-1, V) predicts positions 1..T-1
     targets = input_ids[:, 1:]
-    nll = F.cross_entropy(predicted.reshape(-1, predicted.shape[-1]), targets.reshape(-1), reduction="none")
+    nll = F.cross_entropy(
+        predicted.reshape(-1, predicted.shape[-1]), targets.reshape(-1), reduction="none"
+    )
     weights = completion_token_weights(completion_mask)[:, 1:].to(dtype)
     return (nll.view_as(targets) * weights).sum()

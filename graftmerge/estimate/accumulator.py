@@ -1,0 +1,393 @@
+"""Hook a causal LM and accumulate retention-Fisher sums batch by batch.
+
+One forward and one backward per batch. Every parameter is frozen; the gradient flows
+through the activations only (the input embedding's output is made a leaf that
+requires grad), and forward hooks / output-gradient hooks capture what each layer
+saw. From those captures :mod:`per_sequence_gradients` rebuilds every sequence's
+parameter gradient (for the diagonal) and :mod:`kfac_factors` adds a aᵀ and g gᵀ
+(for KFAC). The weight-gradient matmuls of a plain backward are never run; ours take
+their place.
+
+Accumulators hold *sums* in ``dtype`` (float32 or float64): ``diagonal[name]``
+(Σ_n (∇L_n)²), ``rows[name]`` / ``columns[name]`` (the P and Q sums of the stored
+weight's dim 0 and dim 1), and the counts. :meth:`FisherAccumulator.means` divides.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from graftmerge.errors import GraftError
+from graftmerge.estimate import kfac_factors, per_sequence_gradients
+from graftmerge.estimate.batching import Batch
+from graftmerge.estimate.retention_loss import summed_sequence_losses
+
+KINDS = ("diagonal", "kfac", "both")
+MAX_CHUNK_ELEMENTS = 1 << 26  # per-sequence gradients materialised at once (256 MiB in fp32)
+MAX_FULL_FACTOR = 32768  # a KFAC side larger than this is kept diagonal
+
+
+@dataclass
+class _Dense:
+    """A contribution to per-sequence gradients, produced chunk by chunk: slice → (b, *shape)."""
+
+    make: Callable[[slice], torch.Tensor]
+
+
+@dataclass
+class _Rows:
+    """An embedding's contribution: gradient g_{n,t} lands on row input_ids[n, t]."""
+
+    input_ids: torch.Tensor  # (B, T)
+    g: torch.Tensor  # (B, T, hidden)
+
+
+@dataclass
+class _ModulePlan:
+    """What to capture at one module: its diagonal parameters and KFAC sides."""
+
+    name: str
+    module: nn.Module
+    kind: str  # "linear", "embedding" or "generic"
+    diagonal: dict[str, nn.Parameter] = field(default_factory=dict)  # local name → parameter
+    kfac: str | None = None  # canonical weight name with KFAC factors
+    rows_diagonal: bool = False  # P side kept as a vector (lm_head vocabulary)
+    columns_diagonal: bool = False
+
+
+class FisherAccumulator:
+    """Retention-Fisher sums of ``model`` over the batches fed to :meth:`accumulate`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        kind: str = "diagonal",
+        modules: Sequence[str] = (),
+        dtype: torch.dtype = torch.float32,
+        max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
+        max_full_factor: int = MAX_FULL_FACTOR,
+    ):
+        if kind not in KINDS:
+            raise GraftError(f"unknown Fisher kind {kind!r}; choose one of {', '.join(KINDS)}")
+        self.model = model
+        self.kind = kind
+        self.dtype = dtype
+        self.max_chunk_elements = max_chunk_elements
+        self.device = next(model.parameters()).device
+        self.names = self._canonical_names(model)
+        selected = {
+            id(p): name
+            for p, name in ((p, self.names[id(p)]) for p in model.parameters())
+            if p.is_floating_point()
+            and (not modules or any(fnmatch.fnmatchcase(name, g) for g in modules))
+        }
+        if not selected:
+            raise GraftError(
+                f"--modules {' '.join(modules)} matches no floating parameter of the model"
+            )
+        owners: dict[int, int] = {}
+        for module in model.modules():
+            for parameter in module.parameters(recurse=False):
+                owners[id(parameter)] = owners.get(id(parameter), 0) + 1
+        output_embeddings = (
+            model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        )
+        self.plans: list[_ModulePlan] = []
+        self.diagonal: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, torch.Tensor] = {}
+        self.columns: dict[str, torch.Tensor] = {}
+        self.kfac_kind: dict[str, str] = {}  # weight name → "linear" or "embedding"
+        for module_name, module in model.named_modules():
+            local = {n: p for n, p in module.named_parameters(recurse=False) if id(p) in selected}
+            if not local:
+                continue
+            module_kind = (
+                "linear"
+                if isinstance(module, nn.Linear)
+                else "embedding"
+                if isinstance(module, nn.Embedding)
+                else "generic"
+            )
+            plan = _ModulePlan(module_name, module, module_kind)
+            weight = local.get("weight")
+            wants_kfac = (
+                kind in ("kfac", "both")
+                and module_kind in ("linear", "embedding")
+                and weight is not None
+                and owners[id(weight)] == 1  # a tied embedding / lm_head uses the diagonal
+            )
+            if wants_kfac:
+                plan.kfac = self.names[id(weight)]
+                rows, columns = weight.shape
+                plan.rows_diagonal = (
+                    module_kind == "embedding"
+                    or module is output_embeddings
+                    or rows > max_full_factor
+                )
+                plan.columns_diagonal = module_kind == "linear" and columns > max_full_factor
+                self.kfac_kind[plan.kfac] = module_kind
+                self.rows[plan.kfac] = self._zeros((rows,) if plan.rows_diagonal else (rows, rows))
+                self.columns[plan.kfac] = self._zeros(
+                    (columns,) if plan.columns_diagonal else (columns, columns)
+                )
+            for local_name, parameter in local.items():
+                if kind == "kfac" and plan.kfac is not None and local_name == "weight":
+                    continue
+                name = self.names[id(parameter)]
+                plan.diagonal[local_name] = parameter
+                self.diagonal.setdefault(name, self._zeros(tuple(parameter.shape)))
+            if module_kind == "linear" and set(plan.diagonal) - {"weight", "bias"}:
+                raise GraftError(
+                    f"module {module_name!r} has parameters besides weight/bias; cannot estimate"
+                )
+            self.plans.append(plan)
+        self.sequences = 0
+        self.tokens = 0
+        self.completion_tokens = 0
+        self._batch: Batch | None = None
+        self._replaying = False
+        self._handles: list = []
+
+    # -- setup --------------------------------------------------------------
+    @staticmethod
+    def _canonical_names(model: nn.Module) -> dict[int, str]:
+        """id(parameter) → its first name (a tied weight keeps the name saved in the checkpoint)."""
+        names: dict[int, str] = {}
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(parameter), name)
+        return names
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def __enter__(self) -> FisherAccumulator:
+        for parameter in self.model.parameters():
+            parameter.requires_grad_(False)
+        for plan in self.plans:
+            self._handles.append(plan.module.register_forward_hook(self._forward_hook(plan)))
+        embeddings = self.model.get_input_embeddings()
+        if not any(plan.module is embeddings for plan in self.plans):
+            self._handles.append(embeddings.register_forward_hook(self._forward_hook(None)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- one batch ----------------------------------------------------------
+    def accumulate(self, batch: Batch) -> None:
+        """Add one right-padded batch (forward + backward through activations)."""
+        if not self._handles:
+            raise RuntimeError("use FisherAccumulator as a context manager")
+        batch = batch.to(self.device)
+        self._batch = batch
+        self._pending: dict[int, list] = {}
+        self._uses: dict[int, int] = {}
+        self._covariances: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        try:
+            with torch.enable_grad():
+                logits = self.model(
+                    input_ids=batch.input_ids,
+                    attention_mask=batch.attention_mask,
+                    position_ids=batch.position_ids,
+                    use_cache=False,
+                ).logits
+                self._covariances = {}  # inputs are captured; free the shared a aᵀ sums
+                summed_sequence_losses(logits, batch.input_ids, batch.completion_mask).backward()
+            if self._pending:
+                missing = sorted(self.names[pid] for pid in self._pending)
+                raise GraftError(
+                    f"no gradient reached {missing[:3]}; are these parameters used by the loss?"
+                )
+        finally:
+            self._batch = None
+            self._pending = {}
+        self.sequences += batch.sequences
+        self.tokens += batch.tokens
+        self.completion_tokens += int(batch.completion_mask.sum())
+
+    def _forward_hook(self, plan: _ModulePlan | None):
+        def hook(module: nn.Module, args: tuple, output):
+            if self._replaying or self._batch is None:
+                return None
+            if not isinstance(output, torch.Tensor):
+                raise GraftError(
+                    f"module {plan.name if plan else module!r} returns {type(output).__name__}, not a tensor"
+                )
+            replaced = not output.requires_grad
+            if replaced:  # the input embedding: start the gradient here, params stay frozen
+                output = output.detach().requires_grad_()
+            if plan is not None:
+                self._capture(plan, args, output)
+            return output if replaced else None
+
+        return hook
+
+    def _capture(self, plan: _ModulePlan, args: tuple, output: torch.Tensor) -> None:
+        batch = self._batch
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            raise GraftError(
+                f"module {plan.name!r} is called with {len(args)} positional inputs; cannot estimate"
+            )
+        x = args[0]
+        per_token = plan.kind in ("linear", "embedding")
+        expected = tuple(batch.input_ids.shape) if per_token else tuple(batch.input_ids.shape[:1])
+        if tuple(x.shape[: len(expected)]) != expected:
+            raise GraftError(
+                f"module {plan.name!r} sees input of shape {tuple(x.shape)}, not (sequences, tokens, ...): "
+                "per-sequence statistics need layers applied sequence-wise"
+            )
+        mask = batch.token_mask
+        if plan.kfac is not None:
+            if plan.kind == "embedding":
+                self.rows[plan.kfac] += kfac_factors.token_count(
+                    x, mask, plan.module.num_embeddings, self.dtype
+                )
+            else:
+                # q/k/v (gate/up) read one input tensor: one product, added to each, so the
+                # sums stay bit-identical and the cache stores the factor once. The entry keeps
+                # x alive, so its id cannot be reused by another tensor during this forward.
+                key = (id(x), plan.columns_diagonal)
+                cached = self._covariances.get(key)
+                if cached is None or cached[0] is not x:
+                    function = (
+                        kfac_factors.squared_sum
+                        if plan.columns_diagonal
+                        else kfac_factors.covariance_sum
+                    )
+                    cached = self._covariances[key] = (x, function(x.detach(), mask, self.dtype))
+                self.columns[plan.kfac] += cached[1]
+        for parameter in plan.diagonal.values():
+            self._uses[id(parameter)] = self._uses.get(id(parameter), 0) + 1
+        saved = x.detach() if plan.diagonal else None
+        output.register_hook(lambda g: self._backward(plan, saved, g))
+
+    def _backward(self, plan: _ModulePlan, x: torch.Tensor | None, g: torch.Tensor) -> None:
+        batch = self._batch
+        g = g.detach()
+        if plan.kind in ("linear", "embedding"):
+            g = g * batch.token_mask.unsqueeze(-1).to(g.dtype)  # exact zeros at padding
+        if plan.kfac is not None:
+            if plan.kind == "embedding":
+                self.columns[plan.kfac] += kfac_factors.covariance_sum(
+                    g, batch.token_mask, self.dtype
+                )
+            else:
+                function = (
+                    kfac_factors.squared_sum if plan.rows_diagonal else kfac_factors.covariance_sum
+                )
+                self.rows[plan.kfac] += function(g, batch.token_mask, self.dtype)
+        if not plan.diagonal:
+            return
+        dtype = self.dtype
+        if plan.kind == "linear":
+            a, g_ = x, g
+
+            def weight_gradients(s: slice) -> torch.Tensor:
+                return per_sequence_gradients.linear_weight_gradients(
+                    a[s].to(dtype), g_[s].to(dtype)
+                )
+
+            def bias_gradients(s: slice) -> torch.Tensor:
+                return per_sequence_gradients.linear_bias_gradients(g_[s].to(dtype))
+
+            for local_name, parameter in plan.diagonal.items():
+                make = weight_gradients if local_name == "weight" else bias_gradients
+                self._contribute(parameter, _Dense(make))
+        elif plan.kind == "embedding":
+            self._contribute(plan.diagonal["weight"], _Rows(x, g.to(dtype)))
+        else:
+            parameters = {n: p.detach() for n, p in plan.module.named_parameters(recurse=False)}
+            self._replaying = True
+            try:
+                grads = per_sequence_gradients.module_parameter_gradients(
+                    plan.module, parameters, x, g
+                )
+            finally:
+                self._replaying = False
+            for local_name, parameter in plan.diagonal.items():
+                self._contribute(parameter, _Dense(lambda s, t=grads[local_name]: t[s].to(dtype)))
+
+    def _contribute(self, parameter: nn.Parameter, contribution: _Dense | _Rows) -> None:
+        """Collect a parameter's per-sequence gradient parts; square once all its uses have reported."""
+        key = id(parameter)
+        parts = self._pending.setdefault(key, [])
+        parts.append(contribution)
+        if len(parts) < self._uses[key]:
+            return  # a tied weight: wait for its other use
+        del self._pending[key]
+        total = self.diagonal[self.names[key]]
+        if all(isinstance(part, _Rows) for part in parts):
+            ids = torch.cat([part.input_ids for part in parts], dim=1)
+            g = torch.cat([part.g for part in parts], dim=1)
+            total += per_sequence_gradients.embedding_squared_gradient_sum(
+                ids, g, parameter.shape[0]
+            )
+            return
+        for chunk in per_sequence_gradients.sequence_chunks(
+            self._batch.sequences, parameter.numel(), self.max_chunk_elements
+        ):
+            grads = None
+            for part in parts:
+                if isinstance(part, _Dense):
+                    piece = part.make(chunk)
+                else:
+                    piece = per_sequence_gradients.embedding_weight_gradients(
+                        part.input_ids[chunk], part.g[chunk], parameter.shape[0]
+                    )
+                grads = piece if grads is None else grads + piece
+            total += (grads * grads).sum(dim=0)
+
+    # -- results ------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """All sums as one flat dict of tensors (for checkpoints and all-reduce)."""
+        state = {f"diagonal/{k}": v for k, v in self.diagonal.items()}
+        state.update({f"rows/{k}": v for k, v in self.rows.items()})
+        state.update({f"columns/{k}": v for k, v in self.columns.items()})
+        state["counts"] = torch.tensor(
+            [self.sequences, self.tokens, self.completion_tokens],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        mine = self.state_dict()
+        if set(state) != set(mine):
+            raise GraftError("the checkpoint holds other accumulators than this run needs")
+        for key, value in state.items():
+            if key != "counts":
+                mine[key].copy_(value)
+        self.sequences, self.tokens, self.completion_tokens = (
+            int(v) for v in state["counts"].tolist()
+        )
+
+    def means(self) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """(diagonal Fisher by name, (P, Q) by weight name) with the normalisations of SPEC §3."""
+        if self.sequences == 0:
+            raise GraftError("no sequences were accumulated")
+        diagonal = {name: total / self.sequences for name, total in self.diagonal.items()}
+        kfac = {}
+        for name, module_kind in self.kfac_kind.items():
+            if module_kind == "embedding":  # rows: one-hot input side, columns: gradient side
+                kfac[name] = (self.rows[name] / self.tokens, self.columns[name] / self.sequences)
+            else:
+                kfac[name] = (self.rows[name] / self.sequences, self.columns[name] / self.tokens)
+        return diagonal, kfac
+
+    def diagonal_sides(self) -> list[str]:
+        """KFAC sides stored as vectors (``name:rows`` / ``name:columns``), for the manifest."""
+        sides = []
+        for plan in self.plans:
+            if plan.kfac is not None:
+                sides += [f"{plan.kfac}:rows"] * plan.rows_diagonal + [
+                    f"{plan.kfac}:columns"
+                ] * plan.columns_diagonal
+        return sides

@@ -1,0 +1,107 @@
+"""``graftmerge fisher ...``: thin click wrappers over :mod:`graftmerge.estimate.run`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from graftmerge.cli import report_errors
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def fisher() -> None:
+    """Retention Fisher caches of a post-trained model."""
+
+
+@fisher.command("estimate")
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Cache folder to write (e.g. fisher/NAME).",
+)
+@click.option(
+    "--kind", type=click.Choice(["diagonal", "kfac", "both"]), default="diagonal", show_default=True
+)
+@click.option(
+    "--rollouts",
+    type=click.Path(path_type=Path),
+    help="JSONL of prompt/completion, messages, or prompt_ids/completion_ids.",
+)
+@click.option(
+    "--prompts",
+    type=click.Path(path_type=Path),
+    help="JSONL of prompts; completions are sampled from MODEL.",
+)
+@click.option("--samples-per-prompt", default=1, show_default=True)
+@click.option("--max-new-tokens", default=256, show_default=True)
+@click.option("--temperature", default=1.0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--save-rollouts", type=click.Path(path_type=Path), help="Keep the sampled rollouts as JSONL."
+)
+@click.option(
+    "--modules",
+    multiple=True,
+    metavar="GLOB",
+    help="Only parameters whose names match (repeatable).",
+)
+@click.option("--batch-size", default=8, show_default=True, help="Sequences per forward/backward.")
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "float32", "float64", "bfloat16", "float16"]),
+)
+@click.option(
+    "--accumulator-dtype",
+    default="float32",
+    show_default=True,
+    type=click.Choice(["float32", "float64"]),
+)
+@click.option(
+    "--truncate",
+    is_flag=True,
+    help="Cut sequences longer than the model's context instead of failing.",
+)
+@click.option(
+    "--checkpoint-every",
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Save the sums every N batches; a rerun resumes.",
+)
+@click.option("--restart", is_flag=True, help="Ignore an existing checkpoint of this output.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing cache at OUTPUT.")
+@click.option(
+    "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda:LOCAL_RANK if available)."
+)
+@click.option("--source", default=None, help="Hub id of MODEL to record in the manifest.")
+@click.option(
+    "--revision", default=None, help="Revision (commit) of MODEL to record in the manifest."
+)
+@click.option("--attn-implementation", default="sdpa", show_default=True)
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
+@report_errors
+def estimate(
+    model: Path, output: Path, modules: tuple[str, ...], no_progress: bool, verbose: bool, **options
+) -> None:
+    """Estimate the retention Fisher of MODEL (a local causal-LM folder) into a cache.
+
+    \b
+    graftmerge fisher estimate ./post -o fisher/post-kfac --kind kfac --rollouts rollouts.jsonl
+    torchrun --nproc-per-node 4 $(which graftmerge) fisher estimate ./post -o fisher/x ...
+    """
+    from graftmerge.estimate.run import EstimateSettings, estimate_fisher
+
+    settings = EstimateSettings(
+        model=model, output=output, modules=modules, progress=not no_progress, **options
+    )
+    written = estimate_fisher(settings)
+    if written is not None:
+        click.echo(f"wrote {written}")

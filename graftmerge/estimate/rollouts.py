@@ -1,0 +1,263 @@
+"""Retention data: read JSONL rollouts or prompts, tokenise, validate, hash.
+
+Accepted rollout lines (one JSON object each):
+
+- ``{"prompt_ids": [...], "completion_ids": [...]}``  pre-tokenised (the main path for
+  rollouts sampled elsewhere, e.g. with vLLM)
+- ``{"prompt": "...", "completion": "..."}``         text, tokenised with the model's tokenizer
+- ``{"messages": [..., {"role": "assistant", ...}]}`` rendered with its chat template;
+  the last (assistant) message is the completion
+
+Prompt files take ``prompt_ids``, ``prompt`` or ``messages`` (without the answer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graftmerge.errors import GraftError
+
+TokenizerLoader = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One retention sequence: prompt z_n and completion y_n as token ids."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    source: str = ""  # "file:line" for error messages
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class RolloutStats:
+    """What happened to the input lines; recorded in the cache manifest."""
+
+    lines: int = 0
+    skipped_empty_completion: int = 0
+    truncated: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def rollouts_sha256(rollouts: Sequence[Rollout]) -> str:
+    """Hash of the token ids actually used, independent of file formatting and order of keys."""
+    digest = hashlib.sha256()
+    for rollout in rollouts:
+        digest.update(json.dumps([rollout.prompt_ids, rollout.completion_ids]).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def read_jsonl(path: str | Path, what: str) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line; GraftError naming the bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise GraftError(f"{what} file {path} does not exist")
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise GraftError(f"{path}:{number}: invalid JSON ({error.msg})") from error
+            if not isinstance(record, dict):
+                raise GraftError(
+                    f"{path}:{number}: expected a JSON object, got {type(record).__name__}"
+                )
+            records.append((number, record))
+    if not records:
+        raise GraftError(f"{what} file {path} is empty")
+    return records
+
+
+def _token_ids(value: Any, where: str, key: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
+        raise GraftError(f"{where}: {key!r} must be a list of integer token ids")
+    if any(i < 0 for i in value):
+        raise GraftError(f"{where}: {key!r} has a negative token id")
+    return tuple(value)
+
+
+def _text(value: Any, where: str, key: str) -> str:
+    if not isinstance(value, str):
+        raise GraftError(f"{where}: {key!r} must be a string")
+    return value
+
+
+def _encode(tokenizer: Any, text: str, special: bool) -> tuple[int, ...]:
+    return tuple(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def _render_messages(
+    tokenizer: Any, messages: Any, where: str, with_answer: bool
+) -> tuple[str, str]:
+    """(prompt text, completion text) of a chat; completion empty when ``with_answer`` is False."""
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(isinstance(m, dict) for m in messages)
+    ):
+        raise GraftError(f"{where}: 'messages' must be a non-empty list of objects")
+    if not getattr(tokenizer, "chat_template", None):
+        raise GraftError(
+            f"{where}: the model's tokenizer has no chat template; 'messages' needs one"
+        )
+    if not with_answer:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        ), ""
+    if messages[-1].get("role") != "assistant":
+        raise GraftError(f"{where}: the last message must be the assistant's completion")
+    prompt = tokenizer.apply_chat_template(
+        messages[:-1], tokenize=False, add_generation_prompt=True
+    )
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    if not full.startswith(prompt):
+        raise GraftError(
+            f"{where}: the chat template does not render the prompt as a prefix of the chat"
+        )
+    return prompt, full[len(prompt) :]
+
+
+def parse_rollout(record: dict[str, Any], where: str, tokenizer: TokenizerLoader) -> Rollout:
+    """One JSONL object → Rollout (text is tokenised: prompt with special tokens, completion without)."""
+    if "prompt_ids" in record or "completion_ids" in record:
+        prompt = _token_ids(record.get("prompt_ids"), where, "prompt_ids")
+        completion = _token_ids(record.get("completion_ids"), where, "completion_ids")
+        return Rollout(prompt, completion, where)
+    if "messages" in record:
+        prompt_text, completion_text = _render_messages(
+            tokenizer(), record["messages"], where, True
+        )
+        return Rollout(
+            _encode(tokenizer(), prompt_text, False),
+            _encode(tokenizer(), completion_text, False),
+            where,
+        )
+    if "prompt" in record and "completion" in record:
+        prompt_text = _text(record["prompt"], where, "prompt")
+        completion_text = _text(record["completion"], where, "completion")
+        return Rollout(
+            _encode(tokenizer(), prompt_text, True),
+            _encode(tokenizer(), completion_text, False),
+            where,
+        )
+    raise GraftError(
+        f"{where}: expected keys prompt_ids/completion_ids, prompt/completion, or messages; got {sorted(record)}"
+    )
+
+
+def parse_prompt(record: dict[str, Any], where: str, tokenizer: TokenizerLoader) -> tuple[int, ...]:
+    """One prompts-file object → prompt token ids."""
+    if "prompt_ids" in record:
+        return _token_ids(record["prompt_ids"], where, "prompt_ids")
+    if "messages" in record:
+        return _encode(
+            tokenizer(), _render_messages(tokenizer(), record["messages"], where, False)[0], False
+        )
+    if "prompt" in record:
+        return _encode(tokenizer(), _text(record["prompt"], where, "prompt"), True)
+    raise GraftError(f"{where}: expected key prompt_ids, prompt or messages; got {sorted(record)}")
+
+
+def read_rollouts(
+    path: str | Path, tokenizer: TokenizerLoader
+) -> tuple[list[Rollout], RolloutStats]:
+    records = read_jsonl(path, "rollouts")
+    rollouts = [parse_rollout(record, f"{path}:{number}", tokenizer) for number, record in records]
+    return rollouts, RolloutStats(lines=len(records))
+
+
+def read_prompts(path: str | Path, tokenizer: TokenizerLoader) -> list[tuple[str, tuple[int, ...]]]:
+    records = read_jsonl(path, "prompts")
+    prompts = []
+    for number, record in records:
+        where = f"{path}:{number}"
+        prompt = parse_prompt(record, where, tokenizer)
+        if not prompt:
+            raise GraftError(f"{where}: empty prompt")
+        prompts.append((where, prompt))
+    return prompts
+
+
+def validate_rollouts(
+    rollouts: Sequence[Rollout],
+    stats: RolloutStats,
+    *,
+    vocab_size: int,
+    max_length: int | None,
+    truncate: bool,
+) -> list[Rollout]:
+    """Drop (and count) empty completions, enforce the context length, check token ids."""
+    kept = []
+    for rollout in rollouts:
+        where = rollout.source or "rollout"
+        if not rollout.prompt_ids:
+            raise GraftError(f"{where}: empty prompt (the first completion token needs a context)")
+        for ids in (rollout.prompt_ids, rollout.completion_ids):
+            if ids and max(ids) >= vocab_size:
+                raise GraftError(
+                    f"{where}: token id {max(ids)} is outside the model's vocabulary ({vocab_size})"
+                )
+        if max_length is not None and rollout.length > max_length:
+            if not truncate:
+                raise GraftError(
+                    f"{where}: sequence of {rollout.length} tokens is longer than the model's context "
+                    f"({max_length}); pass --truncate to cut it"
+                )
+            keep = max(0, max_length - len(rollout.prompt_ids))
+            rollout = Rollout(
+                rollout.prompt_ids[:max_length], rollout.completion_ids[:keep], rollout.source
+            )
+            stats.truncated += 1
+        if not rollout.completion_ids:
+            stats.skipped_empty_completion += 1
+            continue
+        kept.append(rollout)
+    if not kept:
+        raise GraftError(
+            f"no usable rollouts: all {len(rollouts)} have an empty completion"
+            + (" (after truncation)" if stats.truncated else "")
+        )
+    return kept
+
+
+def write_rollouts(
+    path: str | Path, rollouts: Sequence[Rollout], tokenizer: Any | None = None
+) -> None:
+    """Save rollouts as pre-tokenised JSONL (plus decoded text when a tokenizer is at hand)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        for rollout in rollouts:
+            record: dict[str, Any] = {
+                "prompt_ids": list(rollout.prompt_ids),
+                "completion_ids": list(rollout.completion_ids),
+            }
+            if tokenizer is not None:
+                record["prompt"] = tokenizer.decode(list(rollout.prompt_ids))
+                record["completion"] = tokenizer.decode(list(rollout.completion_ids))
+            handle.write(json.dumps(record) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,333 @@
+"""``graftmerge fisher estimate`` as a library call: data → batches → sums → cache.
+
+Works the same in one process and under ``torchrun`` (each rank takes every K-th
+batch; sums are all-reduced; rank 0 writes). Nothing appears at the output path until
+the cache is complete (the writer renames it into place, manifest last).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from graftmerge import __version__
+from graftmerge.errors import GraftError
+from graftmerge.estimate import checkpointing, distributed
+from graftmerge.estimate.accumulator import FisherAccumulator
+from graftmerge.estimate.batching import batches_of_rank, pad_batch, plan_batches
+from graftmerge.estimate.model_loading import causal_lm_config, load_causal_lm, tokenizer_loader
+from graftmerge.estimate.rollouts import (
+    Rollout,
+    RolloutStats,
+    file_sha256,
+    read_prompts,
+    read_rollouts,
+    rollouts_sha256,
+    validate_rollouts,
+    write_rollouts,
+)
+from graftmerge.estimate.sampling import (
+    check_sampling,
+    eos_token_ids,
+    prompt_generator,
+    sample_completions,
+)
+
+ACCUMULATOR_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class EstimateSettings:
+    model: Path
+    output: Path
+    kind: str = "diagonal"
+    rollouts: Path | None = None
+    prompts: Path | None = None
+    samples_per_prompt: int = 1
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    save_rollouts: Path | None = None
+    modules: tuple[str, ...] = ()
+    batch_size: int = 8
+    dtype: str = "auto"
+    accumulator_dtype: str = "float32"
+    truncate: bool = False
+    checkpoint_every: int = 0
+    restart: bool = False
+    overwrite: bool = False
+    device: str | None = None
+    source: str | None = None
+    revision: str | None = None
+    attn_implementation: str = "sdpa"
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _check(settings: EstimateSettings) -> None:
+    if (settings.rollouts is None) == (settings.prompts is None):
+        raise GraftError("pass exactly one of --rollouts FILE.jsonl or --prompts FILE.jsonl")
+    if settings.output.exists() and not settings.overwrite:
+        raise GraftError(f"{settings.output} already exists; pass --overwrite to replace it")
+    if settings.batch_size < 1:
+        raise GraftError("--batch-size must be at least 1")
+    if settings.accumulator_dtype not in ACCUMULATOR_DTYPES:
+        raise GraftError(
+            f"--accumulator-dtype must be float32 or float64, not {settings.accumulator_dtype!r}"
+        )
+    if settings.checkpoint_every < 0:
+        raise GraftError("--checkpoint-every must be ≥ 0")
+    if settings.prompts is not None:
+        check_sampling(
+            settings.temperature,
+            settings.top_p,
+            settings.samples_per_prompt,
+            settings.max_new_tokens,
+        )
+
+
+def _sample_rollouts(
+    settings: EstimateSettings,
+    model,
+    tokenizer: Callable[[], Any],
+    ranks: distributed.Ranks,
+    saved: Path,
+) -> list[Rollout]:
+    """Sample this rank's share of prompts; everyone gets all rollouts in prompt order."""
+    if saved.exists():  # resuming: the sums were made from these samples
+        return read_rollouts(saved, tokenizer)[0]
+    prompts = read_prompts(settings.prompts, tokenizer)
+    mine = []
+    indices = range(ranks.rank, len(prompts), ranks.world_size)
+    bar = tqdm(
+        indices, desc="sampling", unit="prompt", disable=not (settings.progress and ranks.is_main)
+    )
+    eos = eos_token_ids(model)
+    for index in bar:
+        where, prompt = prompts[index]
+        completions = sample_completions(
+            model,
+            prompt,
+            samples=settings.samples_per_prompt,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            generator=prompt_generator(settings.seed, index, ranks.device),
+            eos_ids=eos,
+        )
+        mine.append(
+            (index, [Rollout(prompt, c, f"{where} sample {k}") for k, c in enumerate(completions)])
+        )
+    everything = sorted(pair for part in distributed.all_gather(ranks, mine) for pair in part)
+    return [rollout for _, group in everything for rollout in group]
+
+
+def estimate_fisher(
+    settings: EstimateSettings, after_batch: Callable[[int], None] | None = None
+) -> Path | None:
+    """Estimate the retention Fisher and write the cache; returns its path on rank 0 (None elsewhere).
+
+    ``after_batch(i)`` is called after the i-th batch of this rank (tests use it to interrupt).
+    """
+    ranks = distributed.start(settings.device)
+    try:
+        return _estimate(settings, ranks, after_batch)
+    finally:
+        distributed.stop(ranks)
+
+
+def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch) -> Path | None:
+    from graftmerge.fisher import FisherCacheWriter
+
+    settings.output = Path(settings.output)
+    _check(settings)
+    config = causal_lm_config(settings.model)
+    model = None
+    load_model = lambda: load_causal_lm(  # noqa: E731
+        settings.model,
+        dtype=settings.dtype,
+        device=ranks.device,
+        attn_implementation=settings.attn_implementation,
+        progress=settings.progress,
+    )
+    tokenizer = tokenizer_loader(settings.model)
+    folder = checkpointing.checkpoint_folder(settings.output)
+    if settings.restart and ranks.is_main:
+        checkpointing.clear(folder)
+    distributed.barrier(ranks)
+
+    data: dict[str, Any]
+    if settings.rollouts is not None:
+        rollouts, stats = read_rollouts(settings.rollouts, tokenizer)
+        data = {
+            "rollouts_file": str(settings.rollouts),
+            "rollouts_file_sha256": file_sha256(settings.rollouts),
+        }
+    else:
+        saved = folder / "rollouts.jsonl"
+        model = load_model()
+        rollouts = _sample_rollouts(settings, model, tokenizer, ranks, saved)
+        stats = RolloutStats(lines=len(rollouts))
+        data = {
+            "prompts_file": str(settings.prompts),
+            "prompts_file_sha256": file_sha256(settings.prompts),
+            "sampled_from": "the post model (true Fisher)",
+            "sampling": {
+                "samples_per_prompt": settings.samples_per_prompt,
+                "max_new_tokens": settings.max_new_tokens,
+                "temperature": settings.temperature,
+                "top_p": settings.top_p,
+                "top_k": None,
+                "seed": settings.seed,
+            },
+        }
+        if ranks.is_main:
+            if settings.checkpoint_every and not saved.exists():
+                write_rollouts(saved, rollouts)
+            if settings.save_rollouts is not None:
+                write_rollouts(settings.save_rollouts, rollouts, _maybe(tokenizer))
+    max_length = getattr(config, "max_position_embeddings", None)
+    rollouts = validate_rollouts(
+        rollouts,
+        stats,
+        vocab_size=config.get_text_config().vocab_size,
+        max_length=max_length,
+        truncate=settings.truncate,
+    )
+    if model is None:  # bad data fails before the weights are read
+        model = load_model()
+    data["token_sha256"] = rollouts_sha256(rollouts)
+
+    plan = plan_batches([r.length for r in rollouts], settings.batch_size)
+    mine = batches_of_rank(plan, ranks.rank, ranks.world_size)
+    dtype = ACCUMULATOR_DTYPES[settings.accumulator_dtype]
+    accumulator = FisherAccumulator(
+        model, kind=settings.kind, modules=settings.modules, dtype=dtype
+    )
+    run_print = checkpointing.fingerprint(
+        {
+            "model": str(Path(settings.model).resolve()),
+            "data": data["token_sha256"],
+            "kind": settings.kind,
+            "modules": settings.modules,
+            "batch_size": settings.batch_size,
+            "dtype": settings.dtype,
+            "accumulator_dtype": settings.accumulator_dtype,
+            "world_size": ranks.world_size,
+        }
+    )
+    start = 0
+    if settings.checkpoint_every:
+        resumed = checkpointing.load(folder, ranks.rank, run_print)
+        if resumed is not None:
+            start, state = resumed
+            accumulator.load_state_dict({k: v.to(ranks.device) for k, v in state.items()})
+
+    tokens_total = sum(rollouts[i].length for batch in mine for i in batch)
+    tokens_done = sum(rollouts[i].length for batch in mine[:start] for i in batch)
+    bar = tqdm(
+        total=tokens_total,
+        initial=tokens_done,
+        unit="tok",
+        unit_scale=True,
+        desc=f"fisher {settings.kind}",
+        disable=not (settings.progress and ranks.is_main),
+    )
+    began = time.perf_counter()
+    with accumulator:
+        for index in range(start, len(mine)):
+            batch = pad_batch([rollouts[i] for i in mine[index]])
+            accumulator.accumulate(batch)
+            bar.update(batch.tokens)
+            done = index + 1
+            if (
+                settings.checkpoint_every
+                and (done % settings.checkpoint_every == 0)
+                and done < len(mine)
+            ):
+                checkpointing.save(folder, ranks.rank, run_print, done, accumulator.state_dict())
+            if after_batch is not None:
+                after_batch(index)
+    bar.close()
+    seconds = time.perf_counter() - began
+
+    state = accumulator.state_dict()
+    distributed.all_reduce_sum(ranks, state)
+    accumulator.load_state_dict(state)
+    if not ranks.is_main:
+        distributed.barrier(ranks)
+        return None
+    try:
+        counts = {
+            "sequences": accumulator.sequences,
+            "tokens": accumulator.tokens,
+            "completion_tokens": accumulator.completion_tokens,
+            "prompt_tokens": accumulator.tokens - accumulator.completion_tokens,
+            "input_lines": stats.lines,
+            "skipped_empty_completion": stats.skipped_empty_completion,
+            "truncated": stats.truncated,
+        }
+        estimator = {
+            "tool": f"graftmerge {__version__}",
+            "command": "graftmerge fisher estimate",
+            "kind": settings.kind,
+            "loss": "per-token mean NLL of completion tokens, per sequence (SPEC §3)",
+            "diagonal": "mean over sequences of squared per-sequence gradients",
+            "kfac": "Q = token mean of a aᵀ, P = sequence mean of token-summed g gᵀ",
+            "kfac_diagonal_sides": accumulator.diagonal_sides(),
+            "data": data,
+            "modules": list(settings.modules) or ["*"],
+            "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "accumulator_dtype": settings.accumulator_dtype,
+            "batch_size": settings.batch_size,
+            "world_size": ranks.world_size,
+            "max_length": max_length,
+            "truncate": settings.truncate,
+            "attn_implementation": settings.attn_implementation,
+            "seconds": round(seconds, 3),
+            "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
+            **settings.extra,
+        }
+        diagonal, kfac = accumulator.means()
+        with FisherCacheWriter(
+            settings.output,
+            model=settings.model,
+            source=settings.source,
+            revision=settings.revision,
+            estimator=estimator,
+            counts=counts,
+            overwrite=settings.overwrite,
+        ) as writer:
+            for name, tensor in diagonal.items():
+                writer.add_diagonal(name, tensor)
+            for name, (rows, columns) in kfac.items():
+                writer.add_kfac(name, P=rows, Q=columns)
+        checkpointing.clear(folder)
+    finally:
+        distributed.barrier(ranks)
+    return settings.output
+
+
+def _maybe(loader):
+    """The tokenizer when the folder has one, else None (pre-tokenised data needs none)."""
+    try:
+        return loader()
+    except GraftError:
+        return None
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def settings_dict(settings: EstimateSettings) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()}

@@ -1,0 +1,103 @@
+"""Shared fixtures: tiny generated checkpoints, and an isolated graftmerge cache dir."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from graftmerge.checkpoint import Checkpoint
+from graftmerge.fisher import FisherCacheWriter
+from graftmerge.tiny import make_graft_inputs, save_tiny_model
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Threshold results go to a per-session folder; subprocesses inherit it."""
+    os.environ["GRAFTMERGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("graftmerge-cache"))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    yield
+
+
+@pytest.fixture(scope="session")
+def tied_models(tmp_path_factory) -> dict[str, Path]:
+    """post / base / base-ft (tied embeddings) plus a second fine-tune, sharded safetensors."""
+    root = tmp_path_factory.mktemp("tied")
+    paths = make_graft_inputs(root, seed=0, tie_word_embeddings=True)
+    donor = {n: Checkpoint(paths["donor"]).read(n) for n in Checkpoint(paths["donor"]).tensors}
+    save_tiny_model(root / "base-ft2", seed=7, base=donor, noise=0.03, tie_word_embeddings=True)
+    paths["donor_ft2"] = root / "base-ft2"
+    return paths
+
+
+@pytest.fixture(scope="session")
+def untied_models(tmp_path_factory) -> dict[str, Path]:
+    return make_graft_inputs(tmp_path_factory.mktemp("untied"), seed=3, tie_word_embeddings=False)
+
+
+def write_diagonal_cache(path: Path, post: Path, seed: int = 0, transform=None) -> Path:
+    """A diagonal Fisher cache with random non-negative entries for every post tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    checkpoint = Checkpoint(post)
+    with FisherCacheWriter(path, model=post, overwrite=True) as writer:
+        for name, info in checkpoint.tensors.items():
+            values = torch.rand(info.shape, generator=generator)
+            writer.add_diagonal(name, transform(name, values) if transform else values)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tied_diag_cache(tied_models, tmp_path_factory) -> Path:
+    return write_diagonal_cache(tmp_path_factory.mktemp("fisher") / "post-diag", tied_models["post"])
+
+
+def graft_yaml(
+    post, donor, fine_tunes, *, rho=0.0, fisher=None, scope="global", lam=1.0, mask=None,
+    dtype="float32", out_dtype="float32", extra_global="",
+) -> str:
+    models = f"  - model: {donor}\n    parameters: {{role: donor}}\n"
+    for path, weight in fine_tunes:
+        models += f"  - model: {path}\n    parameters: {{role: donor_ft, weight: {weight}}}\n"
+    params = f"  lambda: {lam}\n  rho: {rho}\n  rho_scope: {scope}\n"
+    if fisher:
+        params += f"  fisher: {fisher}\n"
+    if mask:
+        params += f"  mask: {mask}\n"
+    params += extra_global
+    return (
+        f"merge_method: graft\nbase_model: {post}\nmodels:\n{models}parameters:\n{params}"
+        f"dtype: {dtype}\nout_dtype: {out_dtype}\n"
+    )
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run a console script of this environment (mergekit-yaml, graftmerge) in a subprocess."""
+    command = [str(BIN / args[0]), *args[1:]]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def read_model(folder: Path) -> dict[str, torch.Tensor]:
+    checkpoint = Checkpoint(folder)
+    return {name: checkpoint.read(name) for name in checkpoint.tensors}
+
+
+def tree_digest(folder: Path) -> str:
+    """Content hash of every file under ``folder`` (inputs must never change)."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(folder)).encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def copy_model(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target

@@ -1,0 +1,99 @@
+"""Exact top-k selection and the streaming global threshold against brute force."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graftmerge.global_threshold as gt
+from graftmerge.global_threshold import ThresholdSearch
+from graftmerge.selection import mask_from_threshold, masked_count, top_k_mask
+
+
+def brute_force_mask(scores: list[torch.Tensor], k: int) -> list[torch.Tensor]:
+    """The k largest positive scores of the concatenation, ties to earlier positions."""
+    flat = torch.cat([s.reshape(-1) for s in scores])
+    order = torch.sort(flat, descending=True, stable=True).indices[:k]
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    chosen[order] = True
+    chosen &= flat > 0
+    return [c.reshape(s.shape) for c, s in zip(torch.split(chosen, [s.numel() for s in scores]), scores)]
+
+
+def streaming_mask(scores: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+    total = sum(s.numel() for s in scores.values())
+    search = ThresholdSearch(k=k, total=total)
+    for name, s in scores.items():
+        search.add_coarse(name, s)
+    if search.needs_fine_pass():
+        for name in search.fine_pass_names():
+            search.add_fine(name, scores[name])
+    result = search.result()
+    return {n: mask_from_threshold(s, result.threshold, result.tie_quota.get(n, 0)) for n, s in scores.items()}
+
+
+def tied_scores(seed: int) -> dict[str, torch.Tensor]:
+    """Scores with heavy ties and zeros (small integers times a power of two)."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"a.weight": (7, 5), "b.bias": (11,), "c.weight": (4, 9), "d.weight": (3, 3, 2)}
+    return {n: torch.randint(0, 4, s, generator=generator).float() * 0.125 for n, s in shapes.items()}
+
+
+def continuous_scores(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"a": (40, 30), "b": (64,), "c": (17, 23)}
+    return {n: torch.rand(s, generator=generator) ** 4 * 10 ** torch.randint(-8, 3, (1,), generator=generator).item()
+            for n, s in shapes.items()}
+
+
+@pytest.mark.parametrize("make", [tied_scores, continuous_scores])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_global_threshold_equals_brute_force(make, seed):
+    scores = make(seed)
+    total = sum(s.numel() for s in scores.values())
+    for k in [0, 1, 2, 5, total // 10, total // 3, total // 2, total - 1, total]:
+        got = streaming_mask(dict(sorted(scores.items())), k)
+        expected = brute_force_mask([scores[n] for n in sorted(scores)], k)
+        for name, want in zip(sorted(scores), expected):
+            assert torch.equal(got[name], want), (name, k)
+
+
+def test_streaming_path_with_tiny_chunks(monkeypatch):
+    """Chunked bincounts give the same answer as whole tensors."""
+    monkeypatch.setattr(gt, "_CHUNK", 5)
+    scores = tied_scores(3)
+    total = sum(s.numel() for s in scores.values())
+    got = streaming_mask(scores, total // 4)
+    expected = brute_force_mask([scores[n] for n in sorted(scores)], total // 4)
+    for name, want in zip(sorted(scores), expected):
+        assert torch.equal(got[name], want)
+
+
+def test_scores_in_one_coarse_bin_need_the_fine_pass():
+    """All scores share exponent and top mantissa bits: only the fine pass separates them."""
+    base = torch.tensor(1.0).view(torch.int32).item()
+    bits = torch.arange(base, base + 1000, dtype=torch.int32)
+    scores = {"x": bits.view(torch.float32)[torch.randperm(1000)]}
+    got = streaming_mask(scores, 37)["x"]
+    assert torch.equal(got, brute_force_mask([scores["x"]], 37)[0])
+    assert int(got.sum()) == 37
+
+
+def test_top_k_mask_equals_brute_force_with_ties():
+    for seed in range(4):
+        for s in tied_scores(seed).values():
+            for k in range(0, s.numel() + 2):
+                assert torch.equal(top_k_mask(s, k), brute_force_mask([s], k)[0]), k
+
+
+def test_zero_scores_are_never_masked():
+    s = torch.tensor([0.0, 0.0, 3.0, 0.0, 1.0])
+    assert top_k_mask(s, 4).tolist() == [False, False, True, False, True]
+    assert streaming_mask({"s": s}, 4)["s"].tolist() == [False, False, True, False, True]
+
+
+def test_masked_count_reads_rho_as_a_decimal():
+    assert masked_count(0.01, 300) == 3  # 0.01 * 300 == 3.0000000000000004 in floating point
+    assert masked_count(0.01, 301) == 4
+    assert masked_count(0.0, 10**9) == 0
+    assert masked_count(0.1, 7) == 1
