@@ -7,7 +7,7 @@ the stock ``mergekit-yaml`` knows ``merge_method: graft``.
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from mergekit.merge_methods.base import (
@@ -40,7 +40,7 @@ class GraftMergeMethod(GroupMergeMethod):
                 ParameterSpec("weight", float, ParameterScope.NON_BASE, default=1.0),
                 ParameterSpec("lambda", float, ParameterScope.SHARED, default=1.0),
                 ParameterSpec("rho", float, ParameterScope.SHARED, default=0.0),
-                ParameterSpec("fisher", Optional[str], ParameterScope.SHARED, default=None),
+                ParameterSpec("fisher", str | None, ParameterScope.SHARED, default=None),
                 ParameterSpec("rho_scope", str, ParameterScope.SHARED, default="global"),
                 ParameterSpec("mask", str, ParameterScope.SHARED, default="auto"),
             ),

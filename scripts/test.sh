@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install, lint, then run the whole test suite (offline, CPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+.venv/bin/ruff check graftmerge tests benchmarks
+HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q "$@"
