@@ -114,7 +114,6 @@ class Checkpoint:
                 if name in self.tensors:
                     raise GraftError(f"{self.label}: tensor {name!r} appears in two shards")
                 self.tensors[name] = info
-        self._handles: dict[Path, object] = {}
 
     def _shard_files(self) -> list[Path]:
         index = self.folder / "model.safetensors.index.json"
@@ -136,13 +135,14 @@ class Checkpoint:
             )
         return files
 
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor, loaded now, in its stored dtype."""
-        info = self.tensors[name]
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-        return handle.get_tensor(name)
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor (or its rows ``start:stop``), loaded now, in its stored dtype."""
+        # Opened per read: a mapping kept open would keep every page read so far
+        # resident (and counted in RSS) for the rest of the merge.
+        with safe_open(str(self.tensors[name].file), framework="pt") as handle:
+            if rows is None:
+                return handle.get_tensor(name)
+            return handle.get_slice(name)[rows[0] : rows[1]]
 
     def fingerprint(self) -> dict[str, dict]:
         """Names, shapes and dtypes: what a Fisher cache must match."""

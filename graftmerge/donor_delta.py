@@ -22,7 +22,10 @@ def donor_delta(
     """
     dtype = compute_dtype(donor.dtype)
     donor = donor.to(dtype)
-    delta = torch.zeros_like(donor)
+    delta = None
     for fine_tune, lam in zip(fine_tunes, lambdas, strict=True):
-        delta.add_(fine_tune.to(dtype) - donor, alpha=lam)
+        if delta is None:
+            delta = torch.sub(fine_tune.to(dtype), donor).mul_(lam)
+        else:
+            delta.add_(fine_tune.to(dtype) - donor, alpha=lam)
     return delta

@@ -11,7 +11,10 @@ over the bits is exact:
    to earlier tensors in name order, earlier coordinates first).
 
 Memory is two 32K/64K-bin histograms plus, per tensor, its non-empty bins:
-it does not grow with the number of coordinates.
+it does not grow with the number of coordinates. Scores below float32's
+smallest normal number count as zero (never masked), so bins of exponent 0
+are ignored. ``add_coarse``/``add_fine`` reuse the score tensor's memory for
+the bit patterns: the caller's scores are consumed.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-_COARSE_BINS = 1 << 15  # positive finite float32 bit patterns >> 16 are < 0x7F81
+_COARSE_BINS = 1 << 15  # non-negative float32 bit patterns >> 16 are < 0x8000
 _FINE_BINS = 1 << 16
+_FIRST_NORMAL_BIN = 0x0080  # bits of the smallest normal float32 (0x00800000) >> 16
 _CHUNK = 1 << 24  # elements per bincount, bounds temporaries for huge tensors
 
 
@@ -58,37 +62,45 @@ class GlobalThreshold:
         )
 
 
-def _positive_bits(scores: torch.Tensor):
-    """Yield int32 bit patterns of the positive float32 scores, chunk by chunk."""
+def _bit_chunks(scores: torch.Tensor):
+    """Int32 views of the (non-negative, float32) scores' bit patterns, chunk by chunk."""
+    if scores.dtype != torch.float32:
+        scores = scores.to(torch.float32)
     flat = scores.reshape(-1)
-    for start in range(0, flat.numel(), _CHUNK):
-        chunk = flat[start : start + _CHUNK].to(torch.float32)
-        positive = chunk[chunk > 0]
-        yield positive.view(torch.int32)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    bits = flat.view(torch.int32)
+    for start in range(0, bits.numel(), _CHUNK):
+        yield bits[start : start + _CHUNK]
 
 
 @dataclass
 class ThresholdSearch:
     """Accumulates histograms over a stream of tensors; see the module docstring.
 
-    Usage: ``add_coarse`` every tensor; if ``needs_fine_pass()``, ``add_fine``
-    every tensor in ``fine_pass_names()``; then ``result()``.
+    Usage: ``add_coarse`` every tensor (or each row block of it); if
+    ``needs_fine_pass()``, ``add_fine`` every tensor in ``fine_pass_names()``;
+    then ``result()``.
     """
 
     k: int
     total: int
     coarse: torch.Tensor = field(default_factory=lambda: torch.zeros(_COARSE_BINS, dtype=torch.int64))
-    _tensor_bins: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _tensor_bins: dict[str, torch.Tensor] = field(default_factory=dict)  # non-empty coarse bins
     _tensor_fine: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _boundary: tuple[int, int] | None = None  # (coarse bin, ties still needed in it)
 
     def add_coarse(self, name: str, scores: torch.Tensor) -> None:
-        counts = torch.zeros(_COARSE_BINS, dtype=torch.int64)
-        for bits in _positive_bits(scores):
-            counts += torch.bincount((bits >> 16).to(torch.int64), minlength=_COARSE_BINS)
+        counts = torch.zeros(_COARSE_BINS, dtype=torch.int64, device=scores.device)
+        for bits in _bit_chunks(scores):
+            counts += torch.bincount(bits.bitwise_right_shift_(16), minlength=_COARSE_BINS)
+        counts = counts.cpu()
+        counts[:_FIRST_NORMAL_BIN] = 0  # zeros and subnormal scores are never masked
         self.coarse += counts
         bins = torch.nonzero(counts).squeeze(1)
-        self._tensor_bins[name] = (bins, counts[bins])
+        if name in self._tensor_bins:  # another row block of the same tensor
+            bins = torch.unique(torch.cat([self._tensor_bins[name], bins]))
+        self._tensor_bins[name] = bins
 
     @property
     def positives(self) -> int:
@@ -108,20 +120,25 @@ class ThresholdSearch:
 
     def fine_pass_names(self) -> list[str]:
         boundary_bin, _ = self._find_boundary()
-        return sorted(n for n, (bins, _) in self._tensor_bins.items() if bool((bins == boundary_bin).any()))
+        return sorted(n for n, bins in self._tensor_bins.items() if bool((bins == boundary_bin).any()))
 
     def add_fine(self, name: str, scores: torch.Tensor) -> None:
         boundary_bin, _ = self._find_boundary()
-        counts = torch.zeros(_FINE_BINS, dtype=torch.int64)
-        for bits in _positive_bits(scores):
-            inside = bits[(bits >> 16) == boundary_bin]
-            counts += torch.bincount((inside & 0xFFFF).to(torch.int64), minlength=_FINE_BINS)
+        counts = torch.zeros(_FINE_BINS + 2, dtype=torch.int64, device=scores.device)
+        for bits in _bit_chunks(scores):
+            # Offset inside the boundary bin; below it -> bin 0, above it -> last bin.
+            key = bits.sub_(boundary_bin << 16).clamp_(-1, _FINE_BINS).add_(1)
+            counts += torch.bincount(key, minlength=_FINE_BINS + 2)
+        counts = counts[1:-1].cpu()
+        if name in self._tensor_fine:  # another row block of the same tensor
+            earlier_low, earlier_counts = self._tensor_fine[name]
+            counts[earlier_low] += earlier_counts
         low = torch.nonzero(counts).squeeze(1)
         self._tensor_fine[name] = (low, counts[low])
 
     def result(self) -> GlobalThreshold:
         if not self.needs_fine_pass():
-            # k == 0 masks nothing (threshold = +inf); k >= positives masks every positive.
+            # k == 0 masks nothing (threshold = +inf); k >= positives masks every positive score.
             threshold = float("inf") if self.k == 0 else 0.0
             return GlobalThreshold(threshold, {}, self.k, self.total, self.positives)
         boundary_bin, needed = self._find_boundary()

@@ -59,18 +59,21 @@ def graft_tensor(
 ) -> torch.Tensor:
     """θpost + M_ρ(Δ) for one tensor; inputs already in the working dtype, on the math device."""
     delta = donor_delta(donor, fine_tunes, plan.lambdas)
-    if plan.masked:
-        inputs = open_inputs(plan)
-        if inputs.fisher_kind(name):
-            fisher = inputs.tensor_fisher(name).to(delta.device)
-            scored = score_delta(delta, fisher)
-            if plan.rho_scope == "tensor":
-                mask = top_k_mask(scored.scores, masked_count(plan.rho, scored.scores.numel()))
-            else:
-                threshold = global_threshold(inputs, device=str(delta.device), progress=False)
-                mask = mask_from_threshold(scored.scores, threshold.threshold, threshold.tie_quota.get(name, 0))
-            delta = remove_masked(scored, mask, fisher)
-    return (post.to(delta.dtype) + delta).to(post.dtype)
+    if plan.masked and open_inputs(plan).fisher_kind(name):
+        delta = _masked(plan, name, delta)
+    return delta.add_(post.to(delta.dtype)).to(post.dtype)  # θpost + Δ', in Δ's buffer
+
+
+def _masked(plan: GraftPlan, name: str, delta: torch.Tensor) -> torch.Tensor:
+    inputs = open_inputs(plan)
+    fisher = inputs.tensor_fisher(name).to(delta.device)
+    scored = score_delta(delta, fisher)
+    if plan.rho_scope == "tensor":
+        mask = top_k_mask(scored.scores, masked_count(plan.rho, scored.scores.numel()))
+    else:
+        threshold = global_threshold(inputs, device=str(delta.device), progress=False)
+        mask = mask_from_threshold(scored.scores, threshold.threshold, threshold.tie_quota.get(name, 0))
+    return remove_masked(scored, mask, fisher)
 
 
 @contextlib.contextmanager

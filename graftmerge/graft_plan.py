@@ -7,6 +7,7 @@ questions: which dtype, which Fisher representation, which tensors are ranked.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ MODEL_PARAMETERS = ("role", "weight")
 GLOBAL_PARAMETERS = ("lambda", "rho", "fisher", "rho_scope", "mask")
 RHO_SCOPES = ("global", "tensor")
 MASK_KINDS = ("auto", "diagonal", "kfac")
+BLOCK_ELEMENTS = 1 << 24  # the pre-pass reads tensors larger than this in row blocks
 
 
 @dataclass(frozen=True)
@@ -141,11 +143,29 @@ class GraftInputs:
     def direction_count(self, name: str) -> int:
         return self.post.tensors[name].numel
 
-    def tensor_fisher(self, name: str) -> TensorFisher:
-        kind = self.fisher_kind(name)
-        if kind == "kfac":
-            return TensorFisher(kfac=self.fisher.kfac(name))
-        return TensorFisher(diagonal=self.fisher.diagonal(name))
+    def tensor_fisher(self, name: str, rows: tuple[int, int] | None = None) -> TensorFisher:
+        """The Fisher a tensor is masked with (optionally for rows ``start:stop`` only)."""
+        if self.fisher_kind(name) == "kfac":
+            factors = self.fisher.kfac(name)
+            if rows is not None:
+                factors = dataclasses.replace(factors, S=factors.S[rows[0] : rows[1]])
+            return TensorFisher(kfac=factors)
+        return TensorFisher(diagonal=self.fisher.diagonal(name, rows))
+
+    def row_blocks(self, name: str) -> list[tuple[int, int] | None]:
+        """Row ranges that can be scored independently: bounded memory for huge embeddings.
+
+        Rows are independent unless a KFAC entry has a full row-side eigenbasis.
+        """
+        shape = self.post.tensors[name].shape
+        if len(shape) == 0 or self.post.tensors[name].numel <= BLOCK_ELEMENTS:
+            return [None]
+        if self.fisher_kind(name) == "kfac":
+            rows_side = self.fisher.manifest["factors"][self.fisher.entries[name]["kfac"]["rows"]]
+            if "eigenvectors" in rows_side:
+                return [None]
+        step = max(1, BLOCK_ELEMENTS // (self.post.tensors[name].numel // shape[0]))
+        return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
 
     def working_dtype(self, name: str) -> torch.dtype:
         """The dtype mergekit hands the kernel: config dtype, else the inputs' promoted dtype."""
@@ -158,11 +178,13 @@ class GraftInputs:
             dtype = torch.promote_types(dtype, checkpoint.tensors[name].torch_dtype)
         return dtype
 
-    def read_delta(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Δ for one tensor, computed exactly as the merge kernel computes it."""
+    def read_delta(
+        self, name: str, device: torch.device | str = "cpu", rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Δ for one tensor (or its rows), computed exactly as the merge kernel computes it."""
         dtype = self.working_dtype(name)
-        donor = self.donor.read(name).to(device=device, dtype=dtype)
-        fine_tunes = [ft.read(name).to(device=device, dtype=dtype) for ft in self.fine_tunes]
+        donor = self.donor.read(name, rows).to(device=device, dtype=dtype)
+        fine_tunes = [ft.read(name, rows).to(device=device, dtype=dtype) for ft in self.fine_tunes]
         return donor_delta(donor, fine_tunes, self.plan.lambdas)
 
 

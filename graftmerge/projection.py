@@ -49,16 +49,19 @@ def score_delta(delta: torch.Tensor, fisher: TensorFisher) -> ScoredDelta:
 
 
 def remove_masked(scored: ScoredDelta, mask: torch.Tensor, fisher: TensorFisher) -> torch.Tensor:
-    """``Δ' = Δ − (masked part)``: zeroed coordinates, or ``U (1_S ⊙ Δ̃) Vᵀ`` for KFAC."""
+    """``Δ' = Δ − (masked part)``: zeroed coordinates, or ``U (1_S ⊙ Δ̃) Vᵀ`` for KFAC.
+
+    Works in Δ's own buffer (the caller hands over ``scored.delta``).
+    """
     delta = scored.delta
     if not bool(mask.any()):
         return delta
     if fisher.kfac is None:
-        return delta.masked_fill(mask, 0)
+        return delta.masked_fill_(mask, 0)
     k = fisher.kfac
     masked_part = torch.where(mask, scored.rotated, torch.zeros((), dtype=delta.dtype, device=delta.device))
     if k.U is not None:
         masked_part = k.U.to(delta.dtype) @ masked_part
     if k.V is not None:
         masked_part = masked_part @ k.V.T.to(delta.dtype)
-    return delta - masked_part
+    return delta.sub_(masked_part)

@@ -2,7 +2,8 @@
 
 The mask removes the ``⌈ρ·D⌉`` largest scores. Ties at the threshold are
 broken by position: earlier coordinates first (tensors in name order for the
-global scope). A score of 0 is never selected.
+global scope). A score of 0 is never selected; nor is one below float32's
+smallest normal number (``SMALLEST_SCORE``), which counts as 0.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import math
 from fractions import Fraction
 
 import torch
+
+SMALLEST_SCORE = torch.finfo(torch.float32).tiny
 
 
 def masked_count(rho: float, total: int) -> int:
@@ -23,8 +26,8 @@ def mask_from_threshold(scores: torch.Tensor, threshold: float, tie_quota: int) 
 
     ``threshold <= 0`` selects every positive score (there were fewer than k).
     """
-    if threshold <= 0:
-        return scores > 0
+    if threshold < SMALLEST_SCORE:
+        return scores >= SMALLEST_SCORE
     mask = scores > threshold
     if tie_quota > 0:
         ties = torch.nonzero((scores == threshold).reshape(-1)).squeeze(1)[:tie_quota]
@@ -38,9 +41,9 @@ def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     if k <= 0:
         return torch.zeros_like(scores, dtype=torch.bool)
     if k >= flat.numel():
-        return scores > 0
+        return scores >= SMALLEST_SCORE
     threshold = torch.kthvalue(flat, flat.numel() - k + 1).values.item()
-    if threshold <= 0:
-        return scores > 0
+    if threshold < SMALLEST_SCORE:
+        return scores >= SMALLEST_SCORE
     above = int((flat > threshold).sum())
     return mask_from_threshold(scores, threshold, k - above)

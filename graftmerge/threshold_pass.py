@@ -79,13 +79,16 @@ def compute_global_threshold(inputs: GraftInputs, device: str = "cpu", progress:
     total = sum(inputs.direction_count(name) for name in names)
     search = ThresholdSearch(k=masked_count(inputs.plan.rho, total), total=total)
 
-    def scores(name: str) -> torch.Tensor:
-        delta = inputs.read_delta(name, device)
-        return score_delta(delta, inputs.tensor_fisher(name).to(device)).scores
+    def score_blocks(name: str):
+        for rows in inputs.row_blocks(name):
+            delta = inputs.read_delta(name, device, rows)
+            yield score_delta(delta, inputs.tensor_fisher(name, rows).to(device)).scores
 
     for name in tqdm(names, desc="graft threshold (pass 1/2)", disable=not progress, unit="tensor"):
-        search.add_coarse(name, scores(name))
+        for scores in score_blocks(name):
+            search.add_coarse(name, scores)
     if search.needs_fine_pass():
         for name in tqdm(search.fine_pass_names(), desc="graft threshold (pass 2/2)", disable=not progress, unit="tensor"):
-            search.add_fine(name, scores(name))
+            for scores in score_blocks(name):
+                search.add_fine(name, scores)
     return search.result()

@@ -24,10 +24,12 @@ def streaming_mask(scores: dict[str, torch.Tensor], k: int) -> dict[str, torch.T
     total = sum(s.numel() for s in scores.values())
     search = ThresholdSearch(k=k, total=total)
     for name, s in scores.items():
-        search.add_coarse(name, s)
+        for block in torch.split(s.clone(), 3):  # row blocks, like huge tensors in the pre-pass
+            search.add_coarse(name, block)
     if search.needs_fine_pass():
         for name in search.fine_pass_names():
-            search.add_fine(name, scores[name])
+            for block in torch.split(scores[name].clone(), 3):
+                search.add_fine(name, block)
     result = search.result()
     return {n: mask_from_threshold(s, result.threshold, result.tie_quota.get(n, 0)) for n, s in scores.items()}
 

@@ -11,6 +11,7 @@ are split across processes.
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -62,6 +63,10 @@ def sample_completions(
     device = next(model.parameters()).device
     input_ids = torch.tensor([list(prompt_ids)] * samples, device=device)
     eos = torch.tensor(list(eos_ids) or [-1], device=device)
+    # transformers ≥ 5.2x names the KV cache ``cache``; older versions ``past_key_values``
+    cache_argument = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
     out = model(input_ids=input_ids, use_cache=True)
     steps = []
     finished = torch.zeros(samples, dtype=torch.bool, device=device)
@@ -71,7 +76,8 @@ def sample_completions(
         finished |= torch.isin(tokens, eos)
         if finished.all():
             break
-        out = model(input_ids=tokens[:, None], past_key_values=out.past_key_values, use_cache=True)
+        cache = out["cache"] if "cache" in out else out["past_key_values"]
+        out = model(input_ids=tokens[:, None], use_cache=True, **{cache_argument: cache})
     rows = torch.stack(steps, dim=1).tolist()
     eos_set = set(eos.tolist())
     completions = []

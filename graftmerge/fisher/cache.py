@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -66,10 +67,14 @@ def _hf_cache_origin(folder: Path) -> tuple[str | None, str | None]:
 
 
 def _check_values(tensor: torch.Tensor, where: str) -> None:
-    if not torch.isfinite(tensor).all():
+    """Non-negative and finite, in one multi-threaded reduction (NaN propagates into min/max)."""
+    if tensor.numel() == 0:
+        return
+    low, high = (float(v) for v in torch.aminmax(tensor))
+    if math.isnan(low) or math.isnan(high) or math.isinf(high) or math.isinf(low):
         raise GraftError(f"{where} contains NaN or Inf")
-    if (tensor < 0).any():
-        raise GraftError(f"{where} contains negative entries (min {tensor.min().item():.3g})")
+    if low < 0:
+        raise GraftError(f"{where} contains negative entries (min {low:.3g})")
 
 
 class FisherCacheWriter:
@@ -365,7 +370,6 @@ class FisherCache:
         missing = sorted({f for f in self._files.values() if not (self.path / f).exists()})
         if missing:
             raise GraftError(f"Fisher cache {self.path} is missing shard(s) {', '.join(missing)}")
-        self._handles: dict[str, Any] = {}
 
     @property
     def kind(self) -> str:
@@ -387,18 +391,17 @@ class FisherCache:
         """Weights with an entry (of ``representation``, when given)."""
         return sorted(n for n, e in self.entries.items() if representation is None or representation in e)
 
-    def _read(self, key: str) -> torch.Tensor:
-        file = self._files[key]
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        return handle.get_tensor(key).to(torch.float32)
+    def _read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        # Opened per read so pages read earlier do not stay mapped (see Checkpoint.read).
+        with safe_open(str(self.path / self._files[key]), framework="pt") as handle:
+            tensor = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0] : rows[1]]
+        return tensor.to(torch.float32)
 
-    def diagonal(self, name: str) -> torch.Tensor:
-        """The diagonal Fisher of weight ``name`` (float32, shaped like the weight), value-checked."""
+    def diagonal(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The diagonal Fisher of weight ``name`` (float32, shaped like it; or rows ``start:stop``), value-checked."""
         if not self.has(name, "diagonal"):
             raise GraftError(f"Fisher cache {self.path} has no diagonal entry for {name!r}")
-        tensor = self._read(self.entries[name]["diagonal"]["key"])
+        tensor = self._read(self.entries[name]["diagonal"]["key"], rows)
         _check_values(tensor, f"Fisher cache {self.path}: {name!r}")
         return tensor
 

@@ -1,0 +1,162 @@
+"""Whole-model graft vs mergekit's task_arithmetic on a ~0.75B Qwen3-shaped checkpoint (CPU).
+
+Measured side by side in one run, medians of --repeats:
+  * wall time and peak RSS of `mergekit-yaml` for task_arithmetic, graft rho 0,
+    graft rho 0.01 with the global diagonal mask (threshold pass included: its
+    result cache is cleared before every run);
+  * the IO floor: reading every input tensor and writing the output once.
+
+    python benchmarks/bench_graft.py --workdir bench-work [--repeats 3] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from common import BIN, median, qwen3_config, timed_run, write_checkpoint
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def build_inputs(workdir: Path, config, with_fisher: bool = True) -> None:
+    generator = torch.Generator().manual_seed(0)
+    if not (workdir / "base").exists():
+        write_checkpoint(workdir / "base", config, lambda n, s: torch.randn(s, generator=generator) * 0.02)
+    base = None
+
+    def derived(scale: float):
+        def make(name, shape):
+            nonlocal base
+            with safe_open(str(workdir / "base" / _shard_of(workdir / "base", name)), "pt") as f:
+                base = f.get_tensor(name).float()
+            return base + torch.randn(shape, generator=generator) * scale
+        return make
+
+    for name, scale in (("post", 0.004), ("base-ft", 0.002)):
+        if not (workdir / name).exists():
+            write_checkpoint(workdir / name, config, derived(scale))
+    if with_fisher and not (workdir / "fisher-diag").exists():
+        from graftmerge.checkpoint import Checkpoint
+        from graftmerge.fisher import FisherCacheWriter
+
+        post = Checkpoint(workdir / "post")
+        with FisherCacheWriter(workdir / "fisher-diag", model=workdir / "post", max_shard_bytes=500_000_000) as w:
+            for tensor_name, info in post.tensors.items():
+                w.add_diagonal(tensor_name, torch.rand(info.shape, generator=generator) ** 4)
+
+
+def _shard_of(folder: Path, name: str) -> str:
+    import json
+
+    return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+CONFIGS = {
+    "task_arithmetic": """merge_method: task_arithmetic
+base_model: {w}/base
+models:
+  - model: {w}/post
+    parameters: {{weight: 1.0}}
+  - model: {w}/base-ft
+    parameters: {{weight: 0.5}}
+parameters: {{normalize: false}}
+dtype: float32
+out_dtype: bfloat16
+""",
+    "graft rho=0": """merge_method: graft
+base_model: {w}/post
+models:
+  - model: {w}/base
+    parameters: {{role: donor}}
+  - model: {w}/base-ft
+    parameters: {{role: donor_ft, weight: 0.5}}
+dtype: float32
+out_dtype: bfloat16
+""",
+    "graft rho=0.01 global diag": """merge_method: graft
+base_model: {w}/post
+models:
+  - model: {w}/base
+    parameters: {{role: donor}}
+  - model: {w}/base-ft
+    parameters: {{role: donor_ft, weight: 0.5}}
+parameters:
+  rho: 0.01
+  fisher: {w}/fisher-diag
+dtype: float32
+out_dtype: bfloat16
+""",
+}
+
+
+def io_floor(workdir: Path, folders: list[str], out: Path) -> float:
+    """Seconds to read every input tensor of ``folders`` once and write one bf16 output."""
+    start = time.perf_counter()
+    last = {}
+    for folder in folders:
+        for file in sorted((workdir / folder).glob("*.safetensors")):
+            with safe_open(str(file), "pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    last[key] = handle.get_tensor(key)
+            if folder == folders[0]:
+                out.mkdir(parents=True, exist_ok=True)
+                save_file({k: v.to(torch.bfloat16) for k, v in last.items()}, str(out / file.name))
+            last = {}
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("bench-work"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="a 4-layer, 32k-vocab model for a quick look")
+    args = parser.parse_args()
+    overrides = dict(num_hidden_layers=4, vocab_size=32768) if args.small else {}
+    config = qwen3_config(**overrides)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    print(f"building inputs in {args.workdir} ...", flush=True)
+    build_inputs(args.workdir, config)
+    from graftmerge.checkpoint import Checkpoint
+
+    params = sum(info.numel for info in Checkpoint(args.workdir / "post").tensors.values())
+    print(f"model: {params / 1e9:.3f}B parameters, bf16, tied embeddings; torch threads {torch.get_num_threads()}")
+
+    cache_dir = args.workdir / "threshold-cache"
+    results = {name: {"wall": [], "rss": []} for name in CONFIGS}
+    floors = {"3 inputs": [], "3 inputs + fisher": []}
+    for repeat in range(args.repeats):
+        for name, template in CONFIGS.items():
+            config_file = args.workdir / "bench.yml"
+            config_file.write_text(template.format(w=args.workdir.resolve()))
+            out = args.workdir / "out"
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            wall, rss = timed_run([str(BIN / "mergekit-yaml"), str(config_file), str(out), "--out-shard-size", "500M"],
+                                  env={"GRAFTMERGE_CACHE_DIR": str(cache_dir)})
+            results[name]["wall"].append(wall)
+            results[name]["rss"].append(rss)
+            print(f"  run {repeat + 1} {name:28s} {wall:7.1f} s  {rss:8.0f} MB", flush=True)
+        shutil.rmtree(args.workdir / "out", ignore_errors=True)
+        floors["3 inputs"].append(io_floor(args.workdir, ["post", "base", "base-ft"], args.workdir / "out"))
+        shutil.rmtree(args.workdir / "out", ignore_errors=True)
+        floors["3 inputs + fisher"].append(
+            io_floor(args.workdir, ["post", "base", "base-ft", "fisher-diag"], args.workdir / "out"))
+        shutil.rmtree(args.workdir / "out", ignore_errors=True)
+
+    ta_wall = median(results["task_arithmetic"]["wall"])
+    ta_rss = median(results["task_arithmetic"]["rss"])
+    print(f"\nmedians of {args.repeats} (IO floor: 3 inputs {median(floors['3 inputs']):.1f} s, "
+          f"with Fisher {median(floors['3 inputs + fisher']):.1f} s)")
+    print(f"{'method':28s} {'wall s':>8s} {'÷ TA':>6s} {'peak RSS MB':>12s} {'÷ TA':>6s} {'÷ IO floor':>10s}")
+    for name, r in results.items():
+        floor = median(floors["3 inputs + fisher" if "rho=0.01" in name else "3 inputs"])
+        wall, rss = median(r["wall"]), median(r["rss"])
+        print(f"{name:28s} {wall:8.1f} {wall / ta_wall:6.2f} {rss:12.0f} {rss / ta_rss:6.2f} {wall / floor:10.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Shared helpers for the benchmark scripts: generated checkpoints, timed subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+BIN = Path(sys.executable).parent
+SHARD_BYTES = 500 * 1000 * 1000
+
+
+def qwen3_config(**overrides):
+    from transformers import Qwen3Config
+
+    settings = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, vocab_size=151936,
+                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                    max_position_embeddings=4096, torch_dtype="bfloat16",
+                    architectures=["Qwen3ForCausalLM"])
+    settings.update(overrides)
+    return Qwen3Config(**settings)
+
+
+def parameter_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a Qwen3ForCausalLM, without allocating it."""
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def write_checkpoint(folder: Path, config, make_tensor, dtype=torch.bfloat16) -> None:
+    """Sharded safetensors (500 MB shards) + index + config.json, one tensor in memory at a time."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    shapes = parameter_shapes(config)
+    shards, current, size = [], {}, 0
+    for name, shape in shapes.items():
+        tensor = make_tensor(name, shape).to(dtype).contiguous()
+        current[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+    if current:
+        shards.append(current)
+    weight_map = {}
+    for index, shard in enumerate(shards, 1):
+        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+
+def timed_run(command: list[str], env: dict | None = None) -> tuple[float, float]:
+    """(wall seconds, peak RSS in MB) of one subprocess, measured for that child alone."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env={**os.environ, **(env or {})})
+    _, status, usage = os.wait4(process.pid, 0)
+    wall = time.perf_counter() - start
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{process.stderr.read().decode()[-2000:]}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def median(values) -> float:
+    return statistics.median(values)
