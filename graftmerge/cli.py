@@ -7,7 +7,6 @@ non-zero exit; ``-v`` shows the traceback instead.
 from __future__ import annotations
 
 import functools
-import sys
 
 import click
 
@@ -31,7 +30,12 @@ def report_errors(command):
 
 
 def _verbose() -> bool:
-    return any(arg in ("-v", "--verbose", "-vv") for arg in sys.argv[1:])
+    """``--verbose`` of the running command, or mergekit's ``-v`` verbosity count."""
+    context = click.get_current_context(silent=True)
+    if context is None:
+        return False
+    options = context.params.get("merge_options")
+    return bool(context.params.get("verbose")) or getattr(options, "verbosity", 0) > 0
 
 
 class _LazyGroup(click.Group):

@@ -44,21 +44,44 @@ def test_estimate_writes_a_cache_equal_to_brute_force(post, tmp_path):
     rollouts = random_rollouts(6, seed=1, vocab=128)
     data = write_jsonl(tmp_path / "rollouts.jsonl", rollouts)
     output = tmp_path / "fisher" / "post-both"
-    result = estimate(post, "-o", output, "--kind", "both", "--rollouts", data, "--batch-size", "4",
-                      "--accumulator-dtype", "float64", "--dtype", "float64", "--revision", "abc123")
+    result = estimate(
+        post,
+        "-o",
+        output,
+        "--kind",
+        "both",
+        "--rollouts",
+        data,
+        "--batch-size",
+        "4",
+        "--accumulator-dtype",
+        "float64",
+        "--dtype",
+        "float64",
+        "--revision",
+        "abc123",
+    )
     assert result.exit_code == 0, result.output
     cache = open_fisher_cache(output)
     model = load(post)
     diagonal, kfac = brute_force_diagonal(model, rollouts), brute_force_kfac(model, rollouts)
     for name in cache.names("diagonal"):
-        torch.testing.assert_close(cache.diagonal(name).double(), diagonal[name], rtol=1e-4, atol=1e-12)
+        torch.testing.assert_close(
+            cache.diagonal(name).double(), diagonal[name], rtol=1e-4, atol=1e-12
+        )
     down = cache.kfac("model.layers.1.mlp.down_proj.weight")
     reference = kfac["model.layers.1.mlp.down_proj"]
-    torch.testing.assert_close((down.U @ torch.diag(down.S) @ down.U.T).double(), reference["P"], rtol=1e-4, atol=1e-9)
-    torch.testing.assert_close((down.V @ torch.diag(down.D) @ down.V.T).double(), reference["Q"], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(
+        (down.U @ torch.diag(down.S) @ down.U.T).double(), reference["P"], rtol=1e-4, atol=1e-9
+    )
+    torch.testing.assert_close(
+        (down.V @ torch.diag(down.D) @ down.V.T).double(), reference["Q"], rtol=1e-4, atol=1e-7
+    )
     embedding = cache.kfac("model.embed_tokens.weight")
     assert embedding.U is None and embedding.V is not None  # one-hot rows: diagonal side
-    torch.testing.assert_close(embedding.S.double(), reference_p := kfac["model.embed_tokens"]["P"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        embedding.S.double(), reference_p := kfac["model.embed_tokens"]["P"], rtol=1e-5, atol=0
+    )
     assert float(reference_p.sum()) == pytest.approx(1.0)
 
     manifest = cache.manifest
@@ -69,10 +92,15 @@ def test_estimate_writes_a_cache_equal_to_brute_force(post, tmp_path):
     assert counts["completion_tokens"] == sum(len(r.completion_ids) for r in rollouts)
     estimator = manifest["estimator"]
     assert estimator["tool"].startswith("graftmerge ") and estimator["kind"] == "both"
-    assert len(estimator["data"]["rollouts_file_sha256"]) == 64 and len(estimator["data"]["token_sha256"]) == 64
+    assert (
+        len(estimator["data"]["rollouts_file_sha256"]) == 64
+        and len(estimator["data"]["token_sha256"]) == 64
+    )
     # q/k/v share one stored input factor, gate/up another
     entries = manifest["entries"]
-    columns = {entries[f"model.layers.0.self_attn.{p}_proj.weight"]["kfac"]["columns"] for p in "qkv"}
+    columns = {
+        entries[f"model.layers.0.self_attn.{p}_proj.weight"]["kfac"]["columns"] for p in "qkv"
+    }
     assert len(columns) == 1
     assert not list(output.parent.glob(".*"))  # no partial folder or checkpoint left behind
 
@@ -82,7 +110,12 @@ def test_text_and_chat_rollouts_are_tokenised_like_pre_tokenised_ones(post, tmp_
 
     tokenizer = AutoTokenizer.from_pretrained(post)
     texts = [("the cat sat on", "the mat </s>"), ("a dog ran", "home fast and slow </s>")]
-    chats = [[{"role": "user", "content": "is the cat red"}, {"role": "assistant", "content": "the cat is blue"}]]
+    chats = [
+        [
+            {"role": "user", "content": "is the cat red"},
+            {"role": "assistant", "content": "the cat is blue"},
+        ]
+    ]
     with open(tmp_path / "text.jsonl", "w") as handle:
         for prompt, completion in texts:
             handle.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
@@ -90,15 +123,24 @@ def test_text_and_chat_rollouts_are_tokenised_like_pre_tokenised_ones(post, tmp_
             handle.write(json.dumps({"messages": messages}) + "\n")
     with open(tmp_path / "ids.jsonl", "w") as handle:
         for prompt, completion in texts:
-            ids = {"prompt_ids": tokenizer(prompt)["input_ids"], "completion_ids": tokenizer(completion)["input_ids"]}
+            ids = {
+                "prompt_ids": tokenizer(prompt)["input_ids"],
+                "completion_ids": tokenizer(completion)["input_ids"],
+            }
             handle.write(json.dumps(ids) + "\n")
         prompt = "<user> is the cat red </s> <assistant>"
-        ids = {"prompt_ids": tokenizer(prompt)["input_ids"], "completion_ids": tokenizer("the cat is blue </s>")["input_ids"]}
+        ids = {
+            "prompt_ids": tokenizer(prompt)["input_ids"],
+            "completion_ids": tokenizer("the cat is blue </s>")["input_ids"],
+        }
         handle.write(json.dumps(ids) + "\n")
     for name in ("text", "ids"):
         result = estimate(post, "-o", tmp_path / name, "--rollouts", tmp_path / f"{name}.jsonl")
         assert result.exit_code == 0, result.output
-    hashes = [open_fisher_cache(tmp_path / n).manifest["estimator"]["data"]["token_sha256"] for n in ("text", "ids")]
+    hashes = [
+        open_fisher_cache(tmp_path / n).manifest["estimator"]["data"]["token_sha256"]
+        for n in ("text", "ids")
+    ]
     assert hashes[0] == hashes[1]
     caches_close(tmp_path / "text", tmp_path / "ids", rtol=0)
 
@@ -116,13 +158,33 @@ GOOD = json.dumps({"prompt_ids": [1, 2], "completion_ids": [3]})
     [
         ((GOOD, "{not json"), (), r"rollouts.jsonl:2: invalid JSON"),
         (("", "  "), (), r"rollouts file .* is empty"),
-        ((json.dumps({"prompt_ids": [1], "completion_ids": []}),), (), r"no usable rollouts: all 1 have an empty completion"),
-        ((json.dumps({"prompt_ids": [1] * 600, "completion_ids": [2]}),), (), r"rollouts.jsonl:1: sequence of 601 tokens is longer than the model's context \(512\); pass --truncate"),
-        ((json.dumps({"prompt_ids": [1], "completion_ids": [999]}),), (), r"token id 999 is outside the model's vocabulary"),
+        (
+            (json.dumps({"prompt_ids": [1], "completion_ids": []}),),
+            (),
+            r"no usable rollouts: all 1 have an empty completion",
+        ),
+        (
+            (json.dumps({"prompt_ids": [1] * 600, "completion_ids": [2]}),),
+            (),
+            r"rollouts.jsonl:1: sequence of 601 tokens is longer than the model's context \(512\); pass --truncate",
+        ),
+        (
+            (json.dumps({"prompt_ids": [1], "completion_ids": [999]}),),
+            (),
+            r"token id 999 is outside the model's vocabulary",
+        ),
         ((json.dumps({"text": "hello"}),), (), r"rollouts.jsonl:1: expected keys"),
         ((GOOD,), ("--kind", "fancy"), r"Invalid value for '--kind'"),
     ],
-    ids=["invalid-json", "empty-file", "empty-completions", "too-long", "bad-token", "unknown-keys", "bad-kind"],
+    ids=[
+        "invalid-json",
+        "empty-file",
+        "empty-completions",
+        "too-long",
+        "bad-token",
+        "unknown-keys",
+        "bad-kind",
+    ],
 )
 def test_bad_rollouts_fail_with_one_line_and_write_nothing(post, tmp_path, lines, extra, message):
     data = write_lines(tmp_path / "rollouts.jsonl", *lines)
@@ -157,11 +219,16 @@ def test_bad_models_and_missing_tokenizer(post, tmp_path):
     assert result.exit_code == 2 and "is not a Hugging Face model folder" in result.output
     ViTConfig().save_pretrained(tmp_path / "vit")
     result = estimate(tmp_path / "vit", "-o", tmp_path / "x", "--rollouts", data)
-    assert result.exit_code == 2 and "is not a causal language model (model_type 'vit')" in result.output
+    assert (
+        result.exit_code == 2
+        and "is not a causal language model (model_type 'vit')" in result.output
+    )
     bare = make_model(tmp_path / "bare")
     text = write_lines(tmp_path / "text.jsonl", json.dumps({"prompt": "the", "completion": "cat"}))
     result = estimate(bare, "-o", tmp_path / "x", "--rollouts", text)
-    assert result.exit_code == 2 and "has no tokenizer; text rollouts" in result.output, result.output
+    assert result.exit_code == 2 and "has no tokenizer; text rollouts" in result.output, (
+        result.output
+    )
     result = estimate(post, "-o", tmp_path / "x", "--rollouts", data, "--prompts", data)
     assert result.exit_code == 2 and "exactly one of --rollouts" in result.output
     assert not (tmp_path / "x").exists()

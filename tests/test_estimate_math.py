@@ -91,13 +91,19 @@ def test_shared_inputs_give_bit_identical_input_factors(case):
     layer = "model.layers.0"
     q, k, v = (kfac[f"{layer}.self_attn.{p}_proj.weight"][1] for p in "qkv")
     assert torch.equal(q, k) and torch.equal(q, v)
-    assert torch.equal(kfac[f"{layer}.mlp.gate_proj.weight"][1], kfac[f"{layer}.mlp.up_proj.weight"][1])
+    assert torch.equal(
+        kfac[f"{layer}.mlp.gate_proj.weight"][1], kfac[f"{layer}.mlp.up_proj.weight"][1]
+    )
 
 
 def test_modules_glob_restricts_the_estimate(case):
     _, model, diagonal_reference, _ = case
-    diagonal, kfac = accumulate(model, ROLLOUTS, 4, kind="both", modules=["*.mlp.*", "model.norm.*"])
-    assert set(kfac) == {f"model.layers.{i}.mlp.{p}_proj.weight" for i in (0, 1) for p in ("gate", "up", "down")}
+    diagonal, kfac = accumulate(
+        model, ROLLOUTS, 4, kind="both", modules=["*.mlp.*", "model.norm.*"]
+    )
+    assert set(kfac) == {
+        f"model.layers.{i}.mlp.{p}_proj.weight" for i in (0, 1) for p in ("gate", "up", "down")
+    }
     assert set(diagonal) == set(kfac) | {"model.norm.weight"}
     for name, value in diagonal.items():
         assert relative_error(value, diagonal_reference[name]) < 1e-10, name

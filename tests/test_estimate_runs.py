@@ -27,7 +27,13 @@ def setup(tmp_path_factory):
 
 
 def settings(post: Path, data: Path, output: Path, **options) -> EstimateSettings:
-    options = {"kind": "both", "batch_size": 2, "accumulator_dtype": "float64", "progress": False, **options}
+    options = {
+        "kind": "both",
+        "batch_size": 2,
+        "accumulator_dtype": "float64",
+        "progress": False,
+        **options,
+    }
     return EstimateSettings(model=post, output=output, rollouts=data, **options)
 
 
@@ -70,7 +76,9 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(setup, tmp_path):
 
     output = tmp_path / "fisher" / "resumed"
     with pytest.raises(Interrupt):
-        estimate_fisher(settings(post, data, output, checkpoint_every=2), after_batch=stop_after_third)
+        estimate_fisher(
+            settings(post, data, output, checkpoint_every=2), after_batch=stop_after_third
+        )
     assert not output.exists()  # nothing that looks like a cache
     assert [p.name for p in output.parent.iterdir()] == [checkpoint_folder(output).name]
 
@@ -87,7 +95,9 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(setup, tmp_path):
 def test_prompts_are_sampled_from_the_model_and_saved(setup, tmp_path):
     post, _ = setup
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ([1, 2, 3], [4], [5, 6])))
+    prompts.write_text(
+        "".join(json.dumps({"prompt_ids": p}) + "\n" for p in ([1, 2, 3], [4], [5, 6]))
+    )
     saved = tmp_path / "sampled.jsonl"
     first = estimate_fisher(settings(
         post, None, tmp_path / "sampled", prompts=prompts, samples_per_prompt=2, max_new_tokens=4,

@@ -41,7 +41,12 @@ def random_rollouts(count: int, *, seed: int = 0, vocab: int = 128) -> list[Roll
 def write_jsonl(path: Path, rollouts: list[Rollout]) -> Path:
     with open(path, "w") as handle:
         for r in rollouts:
-            handle.write(json.dumps({"prompt_ids": list(r.prompt_ids), "completion_ids": list(r.completion_ids)}) + "\n")
+            handle.write(
+                json.dumps(
+                    {"prompt_ids": list(r.prompt_ids), "completion_ids": list(r.completion_ids)}
+                )
+                + "\n"
+            )
     return path
 
 
@@ -67,7 +72,9 @@ def brute_force_diagonal(model: nn.Module, rollouts: list[Rollout]) -> dict[str,
     return {n: t / len(rollouts) for n, t in total.items()}
 
 
-def brute_force_kfac(model: nn.Module, rollouts: list[Rollout]) -> dict[str, dict[str, torch.Tensor]]:
+def brute_force_kfac(
+    model: nn.Module, rollouts: list[Rollout]
+) -> dict[str, dict[str, torch.Tensor]]:
     """P, Q of every Linear and of an untied embedding, from activations and output gradients
     captured with ``retain_grad`` one sequence at a time."""
     captured: dict[str, tuple] = {}
@@ -95,7 +102,10 @@ def brute_force_kfac(model: nn.Module, rollouts: list[Rollout]) -> dict[str, dic
                 entry = sums.setdefault(name, {"aa": 0, "gg": 0, "count": 0})
                 entry["gg"] = entry["gg"] + g.T @ g
                 if isinstance(modules[name], nn.Embedding):
-                    entry["count"] = entry["count"] + torch.bincount(a[0], minlength=modules[name].num_embeddings).double()
+                    entry["count"] = (
+                        entry["count"]
+                        + torch.bincount(a[0], minlength=modules[name].num_embeddings).double()
+                    )
                 else:
                     entry["aa"] = entry["aa"] + a[0].double().T @ a[0].double()
     finally:
@@ -115,7 +125,24 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<assistant> {% endif %}"
 )
-WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "home", "fast", "slow", "red", "blue", "is", "was", "and"]
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "mat",
+    "home",
+    "fast",
+    "slow",
+    "red",
+    "blue",
+    "is",
+    "was",
+    "and",
+]
 
 
 def save_tiny_tokenizer(folder: Path) -> None:
@@ -127,7 +154,9 @@ def save_tiny_tokenizer(folder: Path) -> None:
     vocab = {token: i for i, token in enumerate(specials + WORDS)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="</s>"
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
 
