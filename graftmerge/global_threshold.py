@@ -5,16 +5,16 @@ over the bits is exact:
 
 1. ``coarse`` pass: histogram of the top 16 bits (sign, exponent, 7 mantissa
    bits) over every tensor; this finds the bin holding the k-th largest score.
-2. ``fine`` pass, only over tensors with scores in that bin: histogram of the
-   low 16 bits inside it, per tensor, which pins the exact k-th largest value
-   ``t`` and how many scores equal to ``t`` each tensor must give up (ties go
-   to earlier tensors in name order, earlier coordinates first).
+2. ``fine`` step, only over scores in that bin: histogram of the low 16 bits
+   inside it, per tensor, which pins the exact k-th largest value ``t`` and
+   how many scores equal to ``t`` each tensor must give up (ties go to earlier
+   tensors in name order, earlier coordinates first). Its input is kept from
+   step 1 (see ``ThresholdSearch``), so tensors are normally scored once.
 
-Memory is two 32K/64K-bin histograms plus, per tensor, its non-empty bins:
-it does not grow with the number of coordinates. Scores below float32's
-smallest normal number count as zero (never masked), so bins of exponent 0
-are ignored. ``add_coarse``/``add_fine`` reuse the score tensor's memory for
-the bit patterns: the caller's scores are consumed.
+Memory is two 32K/64K-bin histograms, per tensor its non-empty bins, and the
+kept bit patterns, capped by ``spill_limit``: past the cap, the overflowing
+tensors are scored a second time instead. Scores below float32's smallest
+normal number count as zero (never masked), so bins of exponent 0 are ignored.
 """
 
 from __future__ import annotations
@@ -78,29 +78,63 @@ def _bit_chunks(scores: torch.Tensor):
 class ThresholdSearch:
     """Accumulates histograms over a stream of tensors; see the module docstring.
 
-    Usage: ``add_coarse`` every tensor (or each row block of it); if
-    ``needs_fine_pass()``, ``add_fine`` every tensor in ``fine_pass_names()``;
-    then ``result()``.
+    Usage: ``add_coarse`` every tensor (or each row block of it); then
+    ``add_fine`` every tensor in ``fine_pass_names()`` (usually none); then
+    ``result()``.
+
+    The fine pass is usually answered from memory: while streaming, the k-th
+    largest score seen so far only grows, so its bin is a lower bound on the
+    final boundary bin, and only scores at or above it can matter. Those bit
+    patterns are kept (and pruned as the bound rises) up to ``spill_limit``
+    elements; tensors whose scores did not fit are re-scored by the caller.
     """
 
     k: int
     total: int
+    spill_limit: int = 1 << 26  # int32 bit patterns kept in memory (256 MB)
     coarse: torch.Tensor = field(default_factory=lambda: torch.zeros(_COARSE_BINS, dtype=torch.int64))
     _tensor_bins: dict[str, torch.Tensor] = field(default_factory=dict)  # non-empty coarse bins
+    _spills: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    _spilled: int = 0
+    _unspilled: set[str] = field(default_factory=set)
     _tensor_fine: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _boundary: tuple[int, int] | None = None  # (coarse bin, ties still needed in it)
 
     def add_coarse(self, name: str, scores: torch.Tensor) -> None:
-        counts = torch.zeros(_COARSE_BINS, dtype=torch.int64, device=scores.device)
+        seen = set()
         for bits in _bit_chunks(scores):
-            counts += torch.bincount(bits.bitwise_right_shift_(16), minlength=_COARSE_BINS)
-        counts = counts.cpu()
-        counts[:_FIRST_NORMAL_BIN] = 0  # zeros and subnormal scores are never masked
-        self.coarse += counts
-        bins = torch.nonzero(counts).squeeze(1)
-        if name in self._tensor_bins:  # another row block of the same tensor
-            bins = torch.unique(torch.cat([self._tensor_bins[name], bins]))
-        self._tensor_bins[name] = bins
+            bins = bits >> 16
+            counts = torch.bincount(bins, minlength=_COARSE_BINS).cpu()
+            counts[:_FIRST_NORMAL_BIN] = 0  # zeros and subnormal scores are never masked
+            self.coarse += counts
+            seen.update(torch.nonzero(counts).squeeze(1).tolist())
+            self._spill(name, bits[bins >= self._running_bound()].cpu())
+        known = set(self._tensor_bins[name].tolist()) if name in self._tensor_bins else set()
+        self._tensor_bins[name] = torch.tensor(sorted(seen | known), dtype=torch.int64)
+        self._prune()
+
+    def _running_bound(self) -> int:
+        """Bin of the k-th largest score so far: the final boundary bin is never below it."""
+        from_top = torch.cumsum(self.coarse.flip(0), 0)
+        if self.k == 0 or int(from_top[-1]) < self.k:
+            return _FIRST_NORMAL_BIN
+        return _COARSE_BINS - 1 - int(torch.searchsorted(from_top, self.k))
+
+    def _spill(self, name: str, bits: torch.Tensor) -> None:
+        if name in self._unspilled:
+            return
+        if self._spilled + bits.numel() > self.spill_limit:
+            self._spilled -= sum(t.numel() for t in self._spills.pop(name, []))
+            self._unspilled.add(name)
+            return
+        self._spills.setdefault(name, []).append(bits)
+        self._spilled += bits.numel()
+
+    def _prune(self) -> None:
+        bound = self._running_bound()
+        for name, parts in self._spills.items():
+            self._spills[name] = [p[(p >> 16) >= bound] for p in parts]
+        self._spilled = sum(p.numel() for parts in self._spills.values() for p in parts)
 
     @property
     def positives(self) -> int:
@@ -118,18 +152,24 @@ class ThresholdSearch:
             self._boundary = (boundary_bin, self.k - above)
         return self._boundary
 
+    def _touches_boundary(self, name: str) -> bool:
+        return bool((self._tensor_bins[name] == self._find_boundary()[0]).any())
+
     def fine_pass_names(self) -> list[str]:
-        boundary_bin, _ = self._find_boundary()
-        return sorted(n for n, bins in self._tensor_bins.items() if bool((bins == boundary_bin).any()))
+        """Tensors the caller must score again and pass to ``add_fine`` (their spill overflowed)."""
+        if not self.needs_fine_pass():
+            return []
+        return sorted(n for n in self._unspilled if self._touches_boundary(n))
 
     def add_fine(self, name: str, scores: torch.Tensor) -> None:
-        boundary_bin, _ = self._find_boundary()
-        counts = torch.zeros(_FINE_BINS + 2, dtype=torch.int64, device=scores.device)
         for bits in _bit_chunks(scores):
-            # Offset inside the boundary bin; below it -> bin 0, above it -> last bin.
-            key = bits.sub_(boundary_bin << 16).clamp_(-1, _FINE_BINS).add_(1)
-            counts += torch.bincount(key, minlength=_FINE_BINS + 2)
-        counts = counts[1:-1].cpu()
+            self._add_fine_bits(name, bits)
+
+    def _add_fine_bits(self, name: str, bits: torch.Tensor) -> None:
+        boundary_bin, _ = self._find_boundary()
+        # Offset inside the boundary bin; below it -> bin 0, above it -> last bin.
+        key = bits.sub(boundary_bin << 16).clamp_(-1, _FINE_BINS).add_(1)
+        counts = torch.bincount(key, minlength=_FINE_BINS + 2)[1:-1].cpu()
         if name in self._tensor_fine:  # another row block of the same tensor
             earlier_low, earlier_counts = self._tensor_fine[name]
             counts[earlier_low] += earlier_counts
@@ -142,6 +182,11 @@ class ThresholdSearch:
             threshold = float("inf") if self.k == 0 else 0.0
             return GlobalThreshold(threshold, {}, self.k, self.total, self.positives)
         boundary_bin, needed = self._find_boundary()
+        for name, parts in self._spills.items():
+            if self._touches_boundary(name):
+                for part in parts:
+                    self._add_fine_bits(name, part)
+        self._spills.clear()
         fine = torch.zeros(_FINE_BINS, dtype=torch.int64)
         for low, counts in self._tensor_fine.values():
             fine[low] += counts

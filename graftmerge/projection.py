@@ -6,12 +6,18 @@ basis holding only the leading eigenvectors still projects correctly.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from graftmerge.fisher.cache import KfacFactors
 from graftmerge.scores import diagonal_scores, kfac_rotate, kfac_scores
+
+
+# How often each weight was rotated into its KFAC eigenbasis (Δ̃ = Uᵀ Δ V) in this
+# process: the benchmark reports it per weight per merge.
+KFAC_ROTATIONS: Counter[tuple[int, ...]] = Counter()  # by weight shape
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ def score_delta(delta: torch.Tensor, fisher: TensorFisher) -> ScoredDelta:
     if fisher.kfac is not None:
         k = fisher.kfac
         rotated = kfac_rotate(delta, k.U, k.V)
+        KFAC_ROTATIONS[tuple(delta.shape)] += 1
         scores = kfac_scores(rotated, k.S, k.D).to(torch.float32)
         return ScoredDelta(delta, scores, rotated)
     return ScoredDelta(delta, diagonal_scores(fisher.diagonal, delta).to(torch.float32), None)

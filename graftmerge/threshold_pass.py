@@ -1,8 +1,8 @@
 """The streaming pre-pass that fixes the global mask threshold, and its result cache.
 
 Each merge call sees one tensor, but a global top-ρ mask depends on every
-tensor: this pass reads the deltas and the Fisher once (twice for tensors
-touching the boundary bin) before the merge, and stores the result keyed by a
+tensor: this pass reads the deltas and the Fisher once before the merge
+(see ``global_threshold`` for the rare second look), and stores the result keyed by a
 fingerprint of the inputs, the cache and the parameters, so a second run with
 the same inputs skips it.
 """
@@ -84,11 +84,11 @@ def compute_global_threshold(inputs: GraftInputs, device: str = "cpu", progress:
             delta = inputs.read_delta(name, device, rows)
             yield score_delta(delta, inputs.tensor_fisher(name, rows).to(device)).scores
 
-    for name in tqdm(names, desc="graft threshold (pass 1/2)", disable=not progress, unit="tensor"):
+    for name in tqdm(names, desc="graft threshold: scoring", disable=not progress, unit="tensor"):
         for scores in score_blocks(name):
             search.add_coarse(name, scores)
-    if search.needs_fine_pass():
-        for name in tqdm(search.fine_pass_names(), desc="graft threshold (pass 2/2)", disable=not progress, unit="tensor"):
-            for scores in score_blocks(name):
-                search.add_fine(name, scores)
+    rescore = search.fine_pass_names()  # empty unless the kept scores overflowed spill_limit
+    for name in tqdm(rescore, desc="graft threshold: re-scoring", disable=not progress or not rescore, unit="tensor"):
+        for scores in score_blocks(name):
+            search.add_fine(name, scores)
     return search.result()

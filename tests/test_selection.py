@@ -20,16 +20,15 @@ def brute_force_mask(scores: list[torch.Tensor], k: int) -> list[torch.Tensor]:
     return [c.reshape(s.shape) for c, s in zip(torch.split(chosen, [s.numel() for s in scores]), scores)]
 
 
-def streaming_mask(scores: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+def streaming_mask(scores: dict[str, torch.Tensor], k: int, spill_limit: int = 1 << 26) -> dict[str, torch.Tensor]:
     total = sum(s.numel() for s in scores.values())
-    search = ThresholdSearch(k=k, total=total)
+    search = ThresholdSearch(k=k, total=total, spill_limit=spill_limit)
     for name, s in scores.items():
         for block in torch.split(s.clone(), 3):  # row blocks, like huge tensors in the pre-pass
             search.add_coarse(name, block)
-    if search.needs_fine_pass():
-        for name in search.fine_pass_names():
-            for block in torch.split(scores[name].clone(), 3):
-                search.add_fine(name, block)
+    for name in search.fine_pass_names():
+        for block in torch.split(scores[name].clone(), 3):
+            search.add_fine(name, block)
     result = search.result()
     return {n: mask_from_threshold(s, result.threshold, result.tie_quota.get(n, 0)) for n, s in scores.items()}
 
@@ -48,13 +47,14 @@ def continuous_scores(seed: int) -> dict[str, torch.Tensor]:
             for n, s in shapes.items()}
 
 
+@pytest.mark.parametrize("spill_limit", [1 << 26, 40, 0], ids=["kept", "partly-rescored", "all-rescored"])
 @pytest.mark.parametrize("make", [tied_scores, continuous_scores])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_global_threshold_equals_brute_force(make, seed):
+def test_global_threshold_equals_brute_force(make, seed, spill_limit):
     scores = make(seed)
     total = sum(s.numel() for s in scores.values())
     for k in [0, 1, 2, 5, total // 10, total // 3, total // 2, total - 1, total]:
-        got = streaming_mask(dict(sorted(scores.items())), k)
+        got = streaming_mask(dict(sorted(scores.items())), k, spill_limit)
         expected = brute_force_mask([scores[n] for n in sorted(scores)], k)
         for name, want in zip(sorted(scores), expected):
             assert torch.equal(got[name], want), (name, k)
@@ -69,6 +69,19 @@ def test_streaming_path_with_tiny_chunks(monkeypatch):
     expected = brute_force_mask([scores[n] for n in sorted(scores)], total // 4)
     for name, want in zip(sorted(scores), expected):
         assert torch.equal(got[name], want)
+
+
+def test_kept_scores_spare_the_second_pass():
+    scores = continuous_scores(0)
+    total = sum(s.numel() for s in scores.values())
+    search = ThresholdSearch(k=total // 50, total=total)
+    for name, s in scores.items():
+        search.add_coarse(name, s.clone())
+    assert search.needs_fine_pass() and search.fine_pass_names() == []
+    overflowing = ThresholdSearch(k=total // 50, total=total, spill_limit=0)
+    for name, s in scores.items():
+        overflowing.add_coarse(name, s.clone())
+    assert overflowing.fine_pass_names()
 
 
 def test_scores_in_one_coarse_bin_need_the_fine_pass():
