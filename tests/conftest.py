@@ -59,6 +59,28 @@ def tied_diag_cache(tied_models, tmp_path_factory) -> Path:
     return write_diagonal_cache(tmp_path_factory.mktemp("fisher") / "post-diag", tied_models["post"])
 
 
+def spd(n: int, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:
+    """A well-conditioned random symmetric positive definite matrix."""
+    a = torch.randn(n, n, generator=generator, dtype=dtype)
+    return a @ a.T / n + 0.05 * torch.eye(n, dtype=dtype)
+
+
+def write_mixed_cache(path: Path, post: Path, seed: int = 0) -> Path:
+    """KFAC (random SPD factors) for attention/MLP weights, diagonal for the rest."""
+    g = torch.Generator().manual_seed(seed)
+    checkpoint = Checkpoint(post)
+    shared: dict[int, torch.Tensor] = {}
+    with FisherCacheWriter(path, model=post, overwrite=True) as writer:
+        for name, info in sorted(checkpoint.tensors.items()):
+            if len(info.shape) == 2 and "proj" in name:
+                Q = shared.setdefault(info.shape[1], spd(info.shape[1], g))
+                writer.add_kfac(name, P=spd(info.shape[0], g) / 10, Q=Q)
+            else:
+                writer.add_diagonal(name, torch.rand(info.shape, generator=g) ** 2)
+    return path
+
+
+
 def graft_yaml(
     post, donor, fine_tunes, *, rho=0.0, fisher=None, scope="global", lam=1.0, mask=None,
     dtype="float32", out_dtype="float32", extra_global="",

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import copy_model, graft_yaml, run_cli, tree_digest, write_diagonal_cache
+from conftest import (
+    copy_model,
+    graft_yaml,
+    run_cli,
+    tree_digest,
+    write_diagonal_cache,
+    write_mixed_cache,
+)
 from safetensors.torch import load_file, save_file
 
 from graftmerge import _import_hook
@@ -56,6 +63,19 @@ def bad(tied_models, untied_models, tied_diag_cache, tmp_path_factory) -> dict[s
     paths["fisher_negative"] = cache("fisher_negative", None)
     _poison_cache(paths["fisher_negative"], -1.0)
     paths["fisher_other_model"] = write_diagonal_cache(root / "fisher_other", untied_models["post"])
+    kfac = lambda name: write_mixed_cache(root / name, m["post"])  # noqa: E731
+    paths["kfac_not_orthonormal"] = kfac("kfac_not_orthonormal")
+    _edit_cache_tensor(paths["kfac_not_orthonormal"], "rows/eigenvectors", lambda t: t * 1.5)
+    paths["kfac_negative_eigenvalue"] = kfac("kfac_negative_eigenvalue")
+    _edit_cache_tensor(paths["kfac_negative_eigenvalue"], "columns/eigenvalues", lambda t: t.index_fill(0, torch.tensor([0]), -1.0))
+    paths["kfac_nan_eigenvalue"] = kfac("kfac_nan_eigenvalue")
+    _edit_cache_tensor(paths["kfac_nan_eigenvalue"], "rows/eigenvalues", lambda t: t.index_fill(0, torch.tensor([1]), float("nan")))
+    paths["kfac_wrong_factor"] = kfac("kfac_wrong_factor")
+    _edit_manifest(paths["kfac_wrong_factor"], lambda e: e["model.layers.0.self_attn.k_proj.weight"]["kfac"].update(
+        rows=e["model.layers.0.self_attn.q_proj.weight"]["kfac"]["rows"]))
+    paths["kfac_on_vector"] = kfac("kfac_on_vector")
+    _edit_manifest(paths["kfac_on_vector"], lambda e: e["model.norm.weight"].update(
+        representation="kfac", kfac=e["model.layers.0.self_attn.q_proj.weight"]["kfac"]))
     paths["not_a_cache"] = root / "not_a_cache"
     paths["not_a_cache"].mkdir()
     (paths["not_a_cache"] / "model.safetensors").write_bytes(b"")
@@ -73,6 +93,24 @@ def _rewrite_tensor(folder: Path, name: str, value: torch.Tensor | None) -> None
     else:
         tensors[name] = value
     save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+def _edit_cache_tensor(folder: Path, key_suffix: str, edit) -> None:
+    """Apply ``edit`` to the first stored tensor whose key ends with ``key_suffix``."""
+    for shard in sorted(folder.glob("fisher-*.safetensors")):
+        tensors = load_file(str(shard))
+        keys = sorted(k for k in tensors if k.endswith(key_suffix))
+        if keys:
+            tensors[keys[0]] = edit(tensors[keys[0]]).contiguous()
+            save_file(tensors, str(shard))
+            return
+    raise AssertionError(f"no {key_suffix} in {folder}")
+
+
+def _edit_manifest(folder: Path, edit) -> None:
+    manifest = json.loads((folder / "fisher_manifest.json").read_text())
+    edit(manifest["entries"])
+    (folder / "fisher_manifest.json").write_text(json.dumps(manifest))
 
 
 def _poison_cache(folder: Path, value: float) -> None:
@@ -114,6 +152,11 @@ def _config(m, bad, case: str) -> str:
         "corrupt safetensors header": graft_yaml(post, donor, [(bad["corrupt"], 1)]),
         "absurd header length": graft_yaml(post, donor, [(bad["huge_header"], 1)]),
         "model folder does not exist": graft_yaml(post, donor, [(m["post"].parent / "nowhere", 1)]),
+        "KFAC eigenvectors not orthonormal": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_not_orthonormal"]),
+        "KFAC eigenvalue below zero": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_negative_eigenvalue"], scope="tensor"),
+        "KFAC eigenvalue NaN": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_nan_eigenvalue"]),
+        "KFAC factor of the wrong size": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_wrong_factor"]),
+        "KFAC entry for a vector": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_on_vector"]),
     }
     return configs[case]
 
@@ -147,6 +190,11 @@ EXPECTED = {
     "corrupt safetensors header": "corrupt safetensors header",
     "absurd header length": "corrupt or truncated safetensors header",
     "model folder does not exist": "does not exist",
+    "KFAC eigenvectors not orthonormal": "are not orthonormal",
+    "KFAC eigenvalue below zero": "contains negative entries",
+    "KFAC eigenvalue NaN": "contains NaN or Inf",
+    "KFAC factor of the wrong size": "KFAC rows factor of 'model.layers.0.self_attn.k_proj.weight' has size 64",
+    "KFAC entry for a vector": "which is not 2-D",
 }
 
 

@@ -9,17 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import graft_yaml, read_model, run_cli
+from conftest import graft_yaml, read_model, run_cli, spd, write_mixed_cache
 
-from graftmerge.checkpoint import Checkpoint
-from graftmerge.fisher import FisherCacheWriter, KfacFactors, open_fisher_cache
+from graftmerge.fisher import KfacFactors, open_fisher_cache
 from graftmerge.projection import TensorFisher, remove_masked, score_delta
 from graftmerge.selection import masked_count, top_k_mask
-
-
-def spd(n: int, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:
-    a = torch.randn(n, n, generator=generator, dtype=dtype)
-    return a @ a.T / n + 0.05 * torch.eye(n, dtype=dtype)
 
 
 def eigen_factors(P: torch.Tensor, Q: torch.Tensor) -> KfacFactors:
@@ -88,21 +82,6 @@ def test_rho_zero_is_bit_for_bit_and_retention_cost_is_non_increasing():
         costs.append(float(masked @ dense @ masked))
     assert all(a >= b - 1e-9 * costs[0] for a, b in zip(costs, costs[1:])), costs
     assert costs[-1] < 0.05 * costs[0]
-
-
-def write_mixed_cache(path: Path, post: Path, seed: int = 0) -> Path:
-    """KFAC (random SPD factors) for attention/MLP weights, diagonal for the rest."""
-    g = torch.Generator().manual_seed(seed)
-    checkpoint = Checkpoint(post)
-    shared: dict[int, torch.Tensor] = {}
-    with FisherCacheWriter(path, model=post, overwrite=True) as writer:
-        for name, info in sorted(checkpoint.tensors.items()):
-            if len(info.shape) == 2 and "proj" in name:
-                Q = shared.setdefault(info.shape[1], spd(info.shape[1], g))
-                writer.add_kfac(name, P=spd(info.shape[0], g) / 10, Q=Q)
-            else:
-                writer.add_diagonal(name, torch.rand(info.shape, generator=g) ** 2)
-    return path
 
 
 def brute_force_mixed(post, donor, fine_tunes, fisher_path, rho) -> dict[str, torch.Tensor]:
