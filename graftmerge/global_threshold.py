@@ -96,6 +96,7 @@ class ThresholdSearch:
     _tensor_bins: dict[str, torch.Tensor] = field(default_factory=dict)  # non-empty coarse bins
     _spills: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     _spilled: int = 0
+    _spilled_after_prune: int = 0
     _unspilled: set[str] = field(default_factory=set)
     _tensor_fine: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _boundary: tuple[int, int] | None = None  # (coarse bin, ties still needed in it)
@@ -131,10 +132,13 @@ class ThresholdSearch:
         self._spilled += bits.numel()
 
     def _prune(self) -> None:
+        """Drop kept scores below the risen bound; amortised: only once the store has doubled."""
+        if self._spilled < 2 * self._spilled_after_prune + (1 << 20):
+            return
         bound = self._running_bound()
         for name, parts in self._spills.items():
             self._spills[name] = [p[(p >> 16) >= bound] for p in parts]
-        self._spilled = sum(p.numel() for parts in self._spills.values() for p in parts)
+        self._spilled = self._spilled_after_prune = sum(p.numel() for parts in self._spills.values() for p in parts)
 
     @property
     def positives(self) -> int:

@@ -103,6 +103,7 @@ class GraftInputs:
     fine_tunes: list[Checkpoint]
     fisher: FisherCache | None
     _fisher_kind: dict[str, str | None] = field(default_factory=dict)
+    memo: dict = field(default_factory=dict)  # per-plan results other modules derive once
 
     @classmethod
     def open(cls, plan: GraftPlan) -> GraftInputs:

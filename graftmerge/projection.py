@@ -14,7 +14,6 @@ import torch
 from graftmerge.fisher.cache import KfacFactors
 from graftmerge.scores import diagonal_scores, kfac_rotate, kfac_scores
 
-
 # How often each weight was rotated into its KFAC eigenbasis (Δ̃ = Uᵀ Δ V) in this
 # process: the benchmark reports it per weight per merge.
 KFAC_ROTATIONS: Counter[tuple[int, ...]] = Counter()  # by weight shape
@@ -66,9 +65,21 @@ def remove_masked(scored: ScoredDelta, mask: torch.Tensor, fisher: TensorFisher)
     if fisher.kfac is None:
         return delta.masked_fill_(mask, 0)
     k = fisher.kfac
-    masked_part = torch.where(mask, scored.rotated, torch.zeros((), dtype=delta.dtype, device=delta.device))
-    if k.U is not None:
-        masked_part = k.U.to(delta.dtype) @ masked_part
-    if k.V is not None:
-        masked_part = masked_part @ k.V.T.to(delta.dtype)
+    # Only rows/columns of Δ̃ holding a masked pair contribute: restrict the
+    # back-rotation to them (exact; at small ρ the masked pairs crowd into the
+    # leading eigen-directions, so this is a fraction of the full matmuls).
+    rows = torch.nonzero(mask.any(dim=1)).squeeze(1)
+    columns = torch.nonzero(mask.any(dim=0)).squeeze(1)
+    block = scored.rotated[rows][:, columns] * mask[rows][:, columns]
+    left = k.U[:, rows].to(delta.dtype) if k.U is not None else None
+    right = k.V[:, columns].to(delta.dtype) if k.V is not None else None
+    if left is not None and right is not None:
+        return delta.sub_(left @ block @ right.T)
+    masked_part = torch.zeros_like(delta)
+    if left is None and right is None:
+        masked_part[rows[:, None], columns[None, :]] = block
+    elif left is None:  # diagonal row side (embedding vocabulary): rows stay rows
+        masked_part[rows] = block @ right.T
+    else:
+        masked_part[:, columns] = left @ block
     return delta.sub_(masked_part)

@@ -36,7 +36,17 @@ def cache_dir() -> Path:
 
 
 def threshold_key(inputs: GraftInputs, device: str) -> str:
-    """Fingerprint of everything the threshold depends on (files by path, size and mtime)."""
+    """Fingerprint of everything the threshold depends on (files by path, size and mtime).
+
+    Computed once per opened inputs and device (the merge kernel asks per tensor).
+    """
+    cached = inputs.memo.get(("threshold_key", device))
+    if cached is None:
+        cached = inputs.memo[("threshold_key", device)] = _threshold_key(inputs, device)
+    return cached
+
+
+def _threshold_key(inputs: GraftInputs, device: str) -> str:
     plan = dataclasses.asdict(inputs.plan)
     plan.pop("post")  # Δ and F do not depend on θpost; the cache was checked against it
     payload = {

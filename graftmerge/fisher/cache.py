@@ -333,12 +333,24 @@ def _clamp_eigenvalues(values: torch.Tensor, where: str) -> tuple[torch.Tensor, 
 
 
 def check_orthonormal(vectors: torch.Tensor, where: str, tolerance: float = ORTHONORMAL_TOLERANCE) -> None:
-    """Columns of ``vectors`` must be orthonormal within ``tolerance`` (max abs error of VᵀV − I)."""
-    vectors = vectors.to(torch.float64)
+    """Columns of ``vectors`` must be orthonormal within ``tolerance`` (max abs error of VᵀV − I).
+
+    Full Gram check: O(n³), done once when a cache is written.
+    """
+    vectors = vectors.to(torch.float32)
     gram = vectors.T @ vectors
     error = float((gram - torch.eye(gram.shape[0], dtype=gram.dtype)).abs().max()) if gram.numel() else 0.0
     if error > tolerance:
         raise GraftError(f"{where} are not orthonormal (max |VᵀV − I| = {error:.2g} > {tolerance:g})")
+
+
+def probe_orthonormal(vectors: torch.Tensor, where: str, tolerance: float = ORTHONORMAL_TOLERANCE) -> None:
+    """O(n²) check on read: VᵀV x = x for a few fixed random x (catches damaged bases)."""
+    probes = torch.randn(vectors.shape[1], 4, generator=torch.Generator().manual_seed(0)).to(vectors)
+    probes /= probes.norm(dim=0, keepdim=True)
+    error = float((vectors.T @ (vectors @ probes) - probes).abs().max()) if vectors.numel() else 0.0
+    if error > tolerance:
+        raise GraftError(f"{where} are not orthonormal (|VᵀV x − x| = {error:.2g} > {tolerance:g} for a probe x)")
 
 
 class FisherCache:
@@ -422,7 +434,7 @@ class FisherCache:
         if vectors is not None:
             if not torch.isfinite(vectors).all():
                 raise GraftError(f"Fisher cache {self.path}: eigenvectors of {key} ({name!r}) contain NaN or Inf")
-            check_orthonormal(vectors, f"Fisher cache {self.path}: eigenvectors of {key} ({name!r})")
+            probe_orthonormal(vectors, f"Fisher cache {self.path}: eigenvectors of {key} ({name!r})")
         return vectors, values
 
     def check_fits(self, checkpoint: Checkpoint) -> None:
