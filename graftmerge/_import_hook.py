@@ -10,9 +10,10 @@ and then registers ``graft``; when ``mergekit.merge`` is imported, it wraps
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
+
+# Plain classes, not importlib.abc subclasses: importing importlib.abc pulls in
+# importlib.resources, pathlib and tempfile (~35 ms) at every interpreter start.
 
 _AFTER_IMPORT = {
     "mergekit.merge_methods.registry": ("graftmerge.mergekit_method", "register_graft"),
@@ -20,20 +21,23 @@ _AFTER_IMPORT = {
 }
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader, fullname: str):
+class _PatchingLoader:
+    def __init__(self, loader, fullname: str):
         self._loader = loader
         self._fullname = fullname
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
+    def __getattr__(self, name):  # get_code, get_source, ... of the real loader
+        return getattr(self._loader, name)
+
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
         _call_after_import(self._fullname, module)
 
 
-class _PostImportFinder(importlib.abc.MetaPathFinder):
+class _PostImportFinder:
     def find_spec(self, fullname, path, target=None):
         if fullname not in _AFTER_IMPORT:
             return None

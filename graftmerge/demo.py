@@ -1,13 +1,15 @@
 """``graftmerge demo``: a complete graft on generated tiny models, explained as it runs.
 
 Generates post / base / base-ft Qwen3-shaped checkpoints, estimates a diagonal
-retention Fisher of the post model from its own sampled rollouts, grafts the
+retention Fisher of the post model from its own sampled rollouts (the same code
+as ``graftmerge fisher estimate --prompts``), grafts the
 base → base-ft delta onto post with a global ρ mask through mergekit, and
 prints what changed.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -32,25 +34,13 @@ out_dtype: float32
 """
 
 
-def sampled_diagonal_fisher(model_folder: Path, sequences: int = 16, length: int = 24, seed: int = 0):
-    """True diagonal Fisher of a causal LM from completions it samples itself (SPEC §3)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
-    prompts = torch.randint(0, model.config.vocab_size, (sequences, 4))
-    with torch.no_grad():
-        rollouts = model.generate(prompts, do_sample=True, max_new_tokens=length, top_k=0, top_p=1.0,
-                                  temperature=1.0, pad_token_id=0)
-    fisher = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
-    for sequence in rollouts:
-        model.zero_grad()
-        logits = model(sequence[None, :-1]).logits[0, prompts.shape[1] - 1 :]
-        loss = torch.nn.functional.cross_entropy(logits, sequence[prompts.shape[1] :])  # per-token mean
-        loss.backward()
-        for name, parameter in model.named_parameters():
-            fisher[name] += parameter.grad.square() / len(rollouts)
-    return fisher
+def write_prompts(path: Path, vocab_size: int, count: int = 8, seed: int = 0) -> Path:
+    """Random token prompts: the "old task" of a model that never had one."""
+    generator = torch.Generator().manual_seed(seed)
+    lines = [json.dumps({"prompt_ids": torch.randint(0, vocab_size, (4,), generator=generator).tolist()})
+             for _ in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 @click.command("demo")
@@ -61,8 +51,7 @@ def sampled_diagonal_fisher(model_folder: Path, sequences: int = 16, length: int
 def demo(workdir: Path | None, rho: float, weight: float) -> None:
     """Run a tiny end-to-end graft on generated checkpoints and print what it did."""
     from graftmerge import _import_hook
-    from graftmerge.checkpoint import Checkpoint
-    from graftmerge.fisher import FisherCacheWriter
+    from graftmerge.estimate.run import EstimateSettings, estimate_fisher
     from graftmerge.tiny import make_graft_inputs
 
     _import_hook.install()
@@ -71,14 +60,12 @@ def demo(workdir: Path | None, rho: float, weight: float) -> None:
         root.mkdir(parents=True, exist_ok=True)
         click.echo(f"1. generating tiny Qwen3-shaped checkpoints in {root}")
         paths = make_graft_inputs(root)
-        click.echo("2. estimating the post model's diagonal retention Fisher from 16 of its own rollouts")
-        fisher = sampled_diagonal_fisher(paths["post"])
-        with FisherCacheWriter(root / "fisher-post-diag", model=paths["post"], overwrite=True,
-                               estimator={"kind": "diagonal", "source": "graftmerge demo"},
-                               counts={"sequences": 16}) as writer:
-            for name, tensor in fisher.items():
-                if name in Checkpoint(paths["post"]).tensors:
-                    writer.add_diagonal(name, tensor)
+        click.echo("2. graftmerge fisher estimate: diagonal retention Fisher of post from 16 of its own rollouts")
+        prompts = write_prompts(root / "prompts.jsonl", vocab_size=256)
+        estimate_fisher(EstimateSettings(
+            model=paths["post"], output=root / "fisher-post-diag", kind="diagonal", prompts=prompts,
+            samples_per_prompt=2, max_new_tokens=24, overwrite=True, progress=False,
+        ))
         config = root / "graft.yml"
         config.write_text(DEMO_CONFIG.format(post=paths["post"], donor=paths["donor"], donor_ft=paths["donor_ft"],
                                              weight=weight, rho=rho, fisher=root / "fisher-post-diag"))

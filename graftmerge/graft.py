@@ -66,14 +66,25 @@ def graft_tensor(
 
 def _masked(plan: GraftPlan, name: str, delta: torch.Tensor) -> torch.Tensor:
     inputs = open_inputs(plan)
-    fisher = inputs.tensor_fisher(name).to(delta.device)
-    scored = score_delta(delta, fisher)
     if plan.rho_scope == "tensor":
+        fisher = inputs.tensor_fisher(name).to(delta.device)
+        scored = score_delta(delta, fisher)
         mask = top_k_mask(scored.scores, masked_count(plan.rho, scored.scores.numel()))
-    else:
-        threshold = global_threshold(inputs, device=str(delta.device), progress=False)
-        mask = mask_from_threshold(scored.scores, threshold.threshold, threshold.tie_quota.get(name, 0))
-    return remove_masked(scored, mask, fisher)
+        return remove_masked(scored, mask, fisher)
+    threshold = global_threshold(inputs, device=str(delta.device), progress=False)
+    ties_left = threshold.tie_quota.get(name, 0)
+    # The same row blocks as the threshold pass: identical scores, and a huge
+    # embedding never needs a full-size score tensor.
+    for rows in inputs.row_blocks(name):
+        part = delta if rows is None else delta[rows[0] : rows[1]]
+        fisher = inputs.tensor_fisher(name, rows).to(delta.device)
+        scored = score_delta(part, fisher)
+        mask = mask_from_threshold(scored.scores, threshold.threshold, ties_left)
+        if ties_left:
+            ties_left -= min(ties_left, int((scored.scores == threshold.threshold).sum()))
+        remove_masked(scored, mask, fisher)  # in place: ``part`` is a view of ``delta``
+        del scored, mask, fisher
+    return delta
 
 
 @contextlib.contextmanager

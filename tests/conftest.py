@@ -66,7 +66,7 @@ def spd(n: int, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor
 
 
 def write_mixed_cache(path: Path, post: Path, seed: int = 0) -> Path:
-    """KFAC (random SPD factors) for attention/MLP weights, diagonal for the rest."""
+    """KFAC (random SPD factors) for attention/MLP weights and the embedding, diagonal for the rest."""
     g = torch.Generator().manual_seed(seed)
     checkpoint = Checkpoint(post)
     shared: dict[int, torch.Tensor] = {}
@@ -75,6 +75,8 @@ def write_mixed_cache(path: Path, post: Path, seed: int = 0) -> Path:
             if len(info.shape) == 2 and "proj" in name:
                 Q = shared.setdefault(info.shape[1], spd(info.shape[1], g))
                 writer.add_kfac(name, P=spd(info.shape[0], g) / 10, Q=Q)
+            elif name == "model.embed_tokens.weight":  # one-hot rows: a diagonal side (U = I)
+                writer.add_kfac(name, P=torch.rand(info.shape[0], generator=g, dtype=torch.float64), Q=spd(info.shape[1], g))
             else:
                 writer.add_diagonal(name, torch.rand(info.shape, generator=g) ** 2)
     return path

@@ -95,7 +95,7 @@ def brute_force_mixed(post, donor, fine_tunes, fisher_path, rho) -> dict[str, to
         delta[n] = sum(w * (ft[n].float() - donor_w[n].float()) for ft, w in fts)
         if cache.representation(n) == "kfac":
             f = cache.kfac(n)
-            rotated[n] = (f.U.T @ delta[n]) @ f.V
+            rotated[n] = (delta[n] if f.U is None else f.U.T @ delta[n]) @ f.V
             scores[n] = rotated[n].square() * f.S[:, None] * f.D[None, :]
         else:
             scores[n] = cache.diagonal(n) * delta[n].square()
@@ -108,22 +108,36 @@ def brute_force_mixed(post, donor, fine_tunes, fisher_path, rho) -> dict[str, to
         mask = masks[n].reshape(scores[n].shape)
         if n in rotated:
             f = cache.kfac(n)
-            applied = delta[n] - f.U @ torch.where(mask, rotated[n], 0.0) @ f.V.T
+            masked_part = torch.where(mask, rotated[n], 0.0) @ f.V.T
+            applied = delta[n] - (masked_part if f.U is None else f.U @ masked_part)
         else:
             applied = delta[n].masked_fill(mask, 0)
         out[n] = post_w[n].float() + applied
     return out
 
 
-def test_mixed_cache_global_graft_equals_brute_force(tmp_path, tied_models):
+@pytest.mark.parametrize("row_blocks", [False, True], ids=["whole tensors", "row blocks"])
+def test_mixed_cache_global_graft_equals_brute_force(tmp_path, tied_models, row_blocks, monkeypatch):
     m = tied_models
     cache = write_mixed_cache(tmp_path / "fisher-mixed", m["post"])
     assert open_fisher_cache(cache).kind == "mixed"
     fine_tunes = [(m["donor_ft"], 0.5)]
     config = tmp_path / "g.yml"
     config.write_text(graft_yaml(m["post"], m["donor"], fine_tunes, rho=0.02, fisher=cache))
-    result = run_cli("mergekit-yaml", str(config), str(tmp_path / "out"))
-    assert result.returncode == 0, result.stderr[-2000:]
+    if row_blocks:  # in-process, so the tiny block size reaches the threshold pass and the kernel
+        from click.testing import CliRunner
+        from mergekit.scripts.run_yaml import main
+
+        from graftmerge import _import_hook, graft_plan
+
+        _import_hook.install()
+        monkeypatch.setattr(graft_plan, "BLOCK_ELEMENTS", 1000)
+        monkeypatch.setenv("GRAFTMERGE_CACHE_DIR", str(tmp_path / "threshold-cache"))
+        result = CliRunner().invoke(main, [str(config), str(tmp_path / "out")])
+        assert result.exit_code == 0, result.output[-2000:]
+    else:
+        result = run_cli("mergekit-yaml", str(config), str(tmp_path / "out"))
+        assert result.returncode == 0, result.stderr[-2000:]
     got = read_model(tmp_path / "out")
     expected = brute_force_mixed(m["post"], m["donor"], fine_tunes, cache, 0.02)
     post = read_model(m["post"])
