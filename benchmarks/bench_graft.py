@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import BIN, median, qwen3_config, timed_run, write_checkpoint
+from common import median, qwen3_config, time_merges, write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -55,6 +55,17 @@ def _shard_of(folder: Path, name: str) -> str:
     return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][name]
 
 
+GRAFT = """merge_method: graft
+base_model: {{w}}/post
+models:
+  - model: {{w}}/base
+    parameters: {{{{role: donor}}}}
+  - model: {{w}}/base-ft
+    parameters: {{{{role: donor_ft, weight: 0.5}}}}
+{parameters}dtype: float32
+out_dtype: bfloat16
+"""
+
 CONFIGS = {
     "task_arithmetic": """merge_method: task_arithmetic
 base_model: {w}/base
@@ -67,29 +78,8 @@ parameters: {{normalize: false}}
 dtype: float32
 out_dtype: bfloat16
 """,
-    "graft rho=0": """merge_method: graft
-base_model: {w}/post
-models:
-  - model: {w}/base
-    parameters: {{role: donor}}
-  - model: {w}/base-ft
-    parameters: {{role: donor_ft, weight: 0.5}}
-dtype: float32
-out_dtype: bfloat16
-""",
-    "graft rho=0.01 global diag": """merge_method: graft
-base_model: {w}/post
-models:
-  - model: {w}/base
-    parameters: {{role: donor}}
-  - model: {w}/base-ft
-    parameters: {{role: donor_ft, weight: 0.5}}
-parameters:
-  rho: 0.01
-  fisher: {w}/fisher-diag
-dtype: float32
-out_dtype: bfloat16
-""",
+    "graft rho=0": GRAFT.format(parameters=""),
+    "graft rho=0.01 global diag": GRAFT.format(parameters="parameters:\n  rho: 0.01\n  fisher: {w}/fisher-diag\n"),
 }
 
 
@@ -125,27 +115,15 @@ def main() -> None:
     params = sum(info.numel for info in Checkpoint(args.workdir / "post").tensors.values())
     print(f"model: {params / 1e9:.3f}B parameters, bf16, tied embeddings; torch threads {torch.get_num_threads()}")
 
-    cache_dir = args.workdir / "threshold-cache"
-    results = {name: {"wall": [], "rss": []} for name in CONFIGS}
     floors = {"3 inputs": [], "3 inputs + fisher": []}
-    for repeat in range(args.repeats):
-        for name, template in CONFIGS.items():
-            config_file = args.workdir / "bench.yml"
-            config_file.write_text(template.format(w=args.workdir.resolve()))
-            out = args.workdir / "out"
-            shutil.rmtree(out, ignore_errors=True)
-            shutil.rmtree(cache_dir, ignore_errors=True)
-            wall, rss = timed_run([str(BIN / "mergekit-yaml"), str(config_file), str(out), "--out-shard-size", "500M"],
-                                  env={"GRAFTMERGE_CACHE_DIR": str(cache_dir)})
-            results[name]["wall"].append(wall)
-            results[name]["rss"].append(rss)
-            print(f"  run {repeat + 1} {name:28s} {wall:7.1f} s  {rss:8.0f} MB", flush=True)
-        shutil.rmtree(args.workdir / "out", ignore_errors=True)
-        floors["3 inputs"].append(io_floor(args.workdir, ["post", "base", "base-ft"], args.workdir / "out"))
-        shutil.rmtree(args.workdir / "out", ignore_errors=True)
-        floors["3 inputs + fisher"].append(
-            io_floor(args.workdir, ["post", "base", "base-ft", "fisher-diag"], args.workdir / "out"))
-        shutil.rmtree(args.workdir / "out", ignore_errors=True)
+
+    def measure_io_floor() -> None:
+        for label, folders in (("3 inputs", ["post", "base", "base-ft"]),
+                               ("3 inputs + fisher", ["post", "base", "base-ft", "fisher-diag"])):
+            floors[label].append(io_floor(args.workdir, folders, args.workdir / "out"))
+            shutil.rmtree(args.workdir / "out", ignore_errors=True)
+
+    results = time_merges(args.workdir, CONFIGS, args.repeats, between=measure_io_floor)
 
     ta_wall = median(results["task_arithmetic"]["wall"])
     ta_rss = median(results["task_arithmetic"]["rss"])

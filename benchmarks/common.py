@@ -77,3 +77,31 @@ def timed_run(command: list[str], env: dict | None = None) -> tuple[float, float
 
 def median(values) -> float:
     return statistics.median(values)
+
+
+def time_merges(workdir: Path, configs: dict[str, str], repeats: int, between=None) -> dict[str, dict[str, list]]:
+    """Run each config through `mergekit-yaml` ``repeats`` times, interleaved.
+
+    The graft threshold cache is cleared before every run so its pass is always timed.
+    ``between()`` runs after each round (e.g. to measure the IO floor in the same conditions).
+    """
+    import shutil
+
+    cache_dir = workdir / "threshold-cache"
+    results = {name: {"wall": [], "rss": []} for name in configs}
+    for repeat in range(repeats):
+        for name, template in configs.items():
+            config_file = workdir / "bench.yml"
+            config_file.write_text(template.format(w=workdir.resolve()))
+            out = workdir / "out"
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            wall, rss = timed_run([str(BIN / "mergekit-yaml"), str(config_file), str(out), "--out-shard-size", "500M"],
+                                  env={"GRAFTMERGE_CACHE_DIR": str(cache_dir)})
+            shutil.rmtree(out, ignore_errors=True)
+            results[name]["wall"].append(wall)
+            results[name]["rss"].append(rss)
+            print(f"  run {repeat + 1} {name:30s} {wall:7.1f} s  {rss:8.0f} MB", flush=True)
+        if between is not None:
+            between()
+    return results

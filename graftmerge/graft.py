@@ -22,6 +22,7 @@ from graftmerge.donor_delta import donor_delta
 from graftmerge.errors import GraftError, cli_error
 from graftmerge.graft_plan import GraftInputs, GraftPlan, open_inputs, plan_from_merge_config
 from graftmerge.projection import remove_masked, score_delta
+from graftmerge.rotation_store import RotationStore
 from graftmerge.selection import mask_from_threshold, masked_count, top_k_mask
 from graftmerge.threshold_pass import global_threshold
 
@@ -39,12 +40,18 @@ def validated_plan(plan: GraftPlan) -> GraftPlan:
     return _VALIDATED_PLANS.get(_without_dtype(plan), plan)
 
 
-def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True) -> None:
-    """Everything a mask needs before the first tensor: the global threshold, or a value scan."""
+def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True, scratch: Path | None = None) -> None:
+    """Everything a mask needs before the first tensor: the global threshold, or a value scan.
+
+    With ``scratch``, the threshold pass keeps each KFAC weight's Δ̃ there for the merge.
+    """
     if not inputs.plan.masked:
         return
     if inputs.plan.rho_scope == "global":
-        global_threshold(inputs, device=device, progress=progress)
+        rotations = RotationStore(scratch) if scratch is not None else None
+        global_threshold(inputs, device=device, progress=progress, rotations=rotations)
+        if rotations is not None:
+            inputs.memo["rotations"] = rotations
     else:
         for name in inputs.ranked_names():
             inputs.tensor_fisher(name)  # raises on NaN, Inf or negative entries
@@ -73,12 +80,14 @@ def _masked(plan: GraftPlan, name: str, delta: torch.Tensor) -> torch.Tensor:
         return remove_masked(scored, mask, fisher)
     threshold = global_threshold(inputs, device=str(delta.device), progress=False)
     ties_left = threshold.tie_quota.get(name, 0)
+    kept = inputs.memo.get("rotations")
     # The same row blocks as the threshold pass: identical scores, and a huge
     # embedding never needs a full-size score tensor.
     for rows in inputs.row_blocks(name):
         part = delta if rows is None else delta[rows[0] : rows[1]]
         fisher = inputs.tensor_fisher(name, rows).to(delta.device)
-        scored = score_delta(part, fisher)
+        rotated = kept.load(name, delta.device) if kept is not None and rows is None else None
+        scored = score_delta(part, fisher, rotated)
         mask = mask_from_threshold(scored.scores, threshold.threshold, ties_left)
         if ties_left:
             ties_left -= min(ties_left, int((scored.scores == threshold.threshold).sum()))
@@ -113,10 +122,14 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
     try:
         plan = plan_from_merge_config(merge_config)
         inputs = open_inputs(plan)
-        prepare(inputs, device=options.device or "cpu", progress=not options.quiet)
         _VALIDATED_PLANS[_without_dtype(plan)] = plan
         with staged_output(out_path) as staging:
-            return run_merge(merge_config, staging, options=options, config_source=config_source)
+            try:
+                prepare(inputs, device=options.device or "cpu", progress=not options.quiet,
+                        scratch=Path(staging).parent / "kfac-rotations")
+                return run_merge(merge_config, staging, options=options, config_source=config_source)
+            finally:
+                inputs.memo.pop("rotations", None)  # its files go with the staging folder
     except GraftError as error:
         raise_for_cli(error, verbose=options.verbosity > 0)
 

@@ -43,12 +43,16 @@ class ScoredDelta:
     rotated: torch.Tensor | None  # Δ̃ for KFAC, None for diagonal
 
 
-def score_delta(delta: torch.Tensor, fisher: TensorFisher) -> ScoredDelta:
-    """Scores of every direction of ``delta``: coordinates, or KFAC pairs ``u_i v_jᵀ``."""
+def score_delta(delta: torch.Tensor, fisher: TensorFisher, rotated: torch.Tensor | None = None) -> ScoredDelta:
+    """Scores of every direction of ``delta``: coordinates, or KFAC pairs ``u_i v_jᵀ``.
+
+    ``rotated`` is Δ̃ when already known (kept from the threshold pass).
+    """
     if fisher.kfac is not None:
         k = fisher.kfac
-        rotated = kfac_rotate(delta, k.U, k.V)
-        KFAC_ROTATIONS[tuple(delta.shape)] += 1
+        if rotated is None:
+            rotated = kfac_rotate(delta, k.U, k.V)
+            KFAC_ROTATIONS[tuple(delta.shape)] += 1
         scores = kfac_scores(rotated, k.S, k.D).to(torch.float32)
         return ScoredDelta(delta, scores, rotated)
     return ScoredDelta(delta, diagonal_scores(fisher.diagonal, delta).to(torch.float32), None)

@@ -22,6 +22,7 @@ from graftmerge import __version__
 from graftmerge.global_threshold import GlobalThreshold, ThresholdSearch
 from graftmerge.graft_plan import GraftInputs
 from graftmerge.projection import score_delta
+from graftmerge.rotation_store import RotationStore
 from graftmerge.selection import masked_count
 
 _MEMORY: dict[str, GlobalThreshold] = {}
@@ -60,8 +61,13 @@ def _threshold_key(inputs: GraftInputs, device: str) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def global_threshold(inputs: GraftInputs, device: str = "cpu", progress: bool = True) -> GlobalThreshold:
-    """The global threshold for a plan: from memory, the on-disk cache, or a fresh pass."""
+def global_threshold(
+    inputs: GraftInputs, device: str = "cpu", progress: bool = True, rotations: RotationStore | None = None
+) -> GlobalThreshold:
+    """The global threshold for a plan: from memory, the on-disk cache, or a fresh pass.
+
+    A fresh pass saves each KFAC weight's Δ̃ into ``rotations`` when given.
+    """
     key = threshold_key(inputs, device)
     if key in _MEMORY:
         return _MEMORY[key]
@@ -74,7 +80,7 @@ def global_threshold(inputs: GraftInputs, device: str = "cpu", progress: bool = 
         if result is not None:
             _MEMORY[key] = result
             return result
-    result = compute_global_threshold(inputs, device=device, progress=progress)
+    result = compute_global_threshold(inputs, device=device, progress=progress, rotations=rotations)
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(result.to_json()))
@@ -83,19 +89,24 @@ def global_threshold(inputs: GraftInputs, device: str = "cpu", progress: bool = 
     return result
 
 
-def compute_global_threshold(inputs: GraftInputs, device: str = "cpu", progress: bool = True) -> GlobalThreshold:
+def compute_global_threshold(
+    inputs: GraftInputs, device: str = "cpu", progress: bool = True, rotations: RotationStore | None = None
+) -> GlobalThreshold:
     """Radix-select the exact ⌈ρ·D⌉-th largest score over all ranked tensors, streaming."""
     names = inputs.ranked_names()
     total = sum(inputs.direction_count(name) for name in names)
     search = ThresholdSearch(k=masked_count(inputs.plan.rho, total), total=total)
 
-    def score_blocks(name: str):
+    def score_blocks(name: str, keep: bool = False):
         for rows in inputs.row_blocks(name):
             delta = inputs.read_delta(name, device, rows)
-            yield score_delta(delta, inputs.tensor_fisher(name, rows).to(device)).scores
+            scored = score_delta(delta, inputs.tensor_fisher(name, rows).to(device))
+            if keep and rotations is not None and rows is None and scored.rotated is not None:
+                rotations.save(name, scored.rotated)
+            yield scored.scores
 
     for name in tqdm(names, desc="graft threshold: scoring", disable=not progress, unit="tensor"):
-        for scores in score_blocks(name):
+        for scores in score_blocks(name, keep=True):
             search.add_coarse(name, scores)
     rescore = search.fine_pass_names()  # empty unless the kept scores overflowed spill_limit
     for name in tqdm(rescore, desc="graft threshold: re-scoring", disable=not progress or not rescore, unit="tensor"):

@@ -128,3 +128,34 @@ def test_top_p_keeps_only_the_nucleus():
     assert set(sample_next_tokens(logits, 1.0, 0.5, generator).tolist()) == {1, 3}
     assert set(sample_next_tokens(logits, 1.0, 0.3, generator).tolist()) == {1}
     assert len(set(sample_next_tokens(logits, 1.0, 1.0, generator).tolist())) == 4
+
+
+def test_killed_process_leaves_no_cache_and_a_rerun_resumes(setup, tmp_path):
+    """SIGKILL after the first checkpoint: no cache appears; the rerun resumes to the same numbers."""
+    import signal
+    import time
+
+    post, _ = setup
+    data = write_jsonl(tmp_path / "long.jsonl", random_rollouts(120, seed=9))
+    estimate_fisher(settings(post, data, tmp_path / "straight"))
+    output = tmp_path / "fisher" / "killed"
+    command = [
+        str(Path(sys.executable).parent / "graftmerge"), "fisher", "estimate", str(post), "-o", str(output),
+        "--kind", "both", "--rollouts", str(data), "--batch-size", "2", "--accumulator-dtype", "float64",
+        "--checkpoint-every", "1", "--no-progress",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    folder = checkpoint_folder(output)
+    deadline = time.monotonic() + 120
+    while not (folder.exists() and any(".tmp" not in p.name for p in folder.iterdir())):
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not output.exists()
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert open_fisher_cache(output).manifest["counts"] == open_fisher_cache(tmp_path / "straight").manifest["counts"]
+    caches_close(tmp_path / "straight", output, rtol=0)
+    assert not folder.exists()

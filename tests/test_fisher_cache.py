@@ -81,6 +81,7 @@ def test_manifest_is_written_last(tmp_path, tied_models, monkeypatch):
         open_fisher_cache(partial)
     writer.close()
     assert (tmp_path / "c" / MANIFEST_NAME).exists() and not list(tmp_path.glob(".c.partial-*"))
+    assert (tmp_path / "c").stat().st_mode & 0o755 == 0o755  # not mkdtemp's private 0700
 
 
 @pytest.mark.parametrize(

@@ -305,6 +305,9 @@ class FisherCacheWriter:
         }
         (tmp / (MANIFEST_NAME + ".tmp")).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         os.replace(tmp / (MANIFEST_NAME + ".tmp"), tmp / MANIFEST_NAME)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; a cache is an ordinary folder
         if self.path.exists():
             old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
             os.replace(self.path, old)
