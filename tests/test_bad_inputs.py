@@ -66,6 +66,8 @@ def bad(tied_models, untied_models, tied_diag_cache, tmp_path_factory) -> dict[s
     kfac = lambda name: write_mixed_cache(root / name, m["post"])  # noqa: E731
     paths["kfac_not_orthonormal"] = kfac("kfac_not_orthonormal")
     _edit_cache_tensor(paths["kfac_not_orthonormal"], "rows/eigenvectors", lambda t: t * 1.5)
+    paths["kfac_nan_eigenvector"] = kfac("kfac_nan_eigenvector")
+    _edit_cache_tensor(paths["kfac_nan_eigenvector"], "columns/eigenvectors", lambda t: t.index_fill(0, torch.tensor([2]), float("nan")))
     paths["kfac_negative_eigenvalue"] = kfac("kfac_negative_eigenvalue")
     _edit_cache_tensor(paths["kfac_negative_eigenvalue"], "columns/eigenvalues", lambda t: t.index_fill(0, torch.tensor([0]), -1.0))
     paths["kfac_nan_eigenvalue"] = kfac("kfac_nan_eigenvalue")
@@ -153,6 +155,7 @@ def _config(m, bad, case: str) -> str:
         "absurd header length": graft_yaml(post, donor, [(bad["huge_header"], 1)]),
         "model folder does not exist": graft_yaml(post, donor, [(m["post"].parent / "nowhere", 1)]),
         "KFAC eigenvectors not orthonormal": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_not_orthonormal"]),
+        "KFAC eigenvector NaN": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_nan_eigenvector"]),
         "KFAC eigenvalue below zero": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_negative_eigenvalue"], scope="tensor"),
         "KFAC eigenvalue NaN": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_nan_eigenvalue"]),
         "KFAC factor of the wrong size": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_wrong_factor"]),
@@ -191,6 +194,7 @@ EXPECTED = {
     "absurd header length": "corrupt or truncated safetensors header",
     "model folder does not exist": "does not exist",
     "KFAC eigenvectors not orthonormal": "are not orthonormal",
+    "KFAC eigenvector NaN": "contain NaN or Inf",
     "KFAC eigenvalue below zero": "contains negative entries",
     "KFAC eigenvalue NaN": "contains NaN or Inf",
     "KFAC factor of the wrong size": "KFAC rows factor of 'model.layers.0.self_attn.k_proj.weight' has size 64",

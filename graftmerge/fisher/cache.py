@@ -348,12 +348,17 @@ def check_orthonormal(vectors: torch.Tensor, where: str, tolerance: float = ORTH
 
 
 def probe_orthonormal(vectors: torch.Tensor, where: str, tolerance: float = ORTHONORMAL_TOLERANCE) -> None:
-    """O(n²) check on read: VᵀV x = x for a few fixed random x (catches damaged bases)."""
+    """O(n²), one pass on read: ‖V x‖ = ‖x‖ for a few fixed random unit x (catches damaged bases).
+
+    Also catches NaN/Inf entries, which make the probe non-finite.
+    """
     probes = torch.randn(vectors.shape[1], 4, generator=torch.Generator().manual_seed(0)).to(vectors)
     probes /= probes.norm(dim=0, keepdim=True)
-    error = float((vectors.T @ (vectors @ probes) - probes).abs().max()) if vectors.numel() else 0.0
+    error = float(((vectors @ probes).norm(dim=0) - 1).abs().max()) if vectors.numel() else 0.0
+    if not math.isfinite(error):
+        raise GraftError(f"{where} contain NaN or Inf")
     if error > tolerance:
-        raise GraftError(f"{where} are not orthonormal (|VᵀV x − x| = {error:.2g} > {tolerance:g} for a probe x)")
+        raise GraftError(f"{where} are not orthonormal (|‖Vx‖ − 1| = {error:.2g} > {tolerance:g} for a unit probe x)")
 
 
 class FisherCache:
@@ -435,8 +440,6 @@ class FisherCache:
         _check_values(values, f"Fisher cache {self.path}: eigenvalues of {key} ({name!r})")
         vectors = self._read(record["eigenvectors"]) if "eigenvectors" in record else None
         if vectors is not None:
-            if not torch.isfinite(vectors).all():
-                raise GraftError(f"Fisher cache {self.path}: eigenvectors of {key} ({name!r}) contain NaN or Inf")
             probe_orthonormal(vectors, f"Fisher cache {self.path}: eigenvectors of {key} ({name!r})")
         return vectors, values
 
