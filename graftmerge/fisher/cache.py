@@ -176,9 +176,9 @@ class FisherCacheWriter:
         embedding's vocabulary rows). Full factors are symmetrised and
         eigendecomposed in float64; tiny negative eigenvalues are clamped to 0.
         """
-        shape = self._check_kfac_shape(name, P, Q)
-        row_side = self._add_side(P, shape[0], name, "P")
-        column_side = self._add_side(Q, shape[1], name, "Q")
+        self._check_kfac_shape(name, P, Q)
+        row_side = self._add_side(P, "rows", name, "P")
+        column_side = self._add_side(Q, "columns", name, "Q")
         self._add_entry(name, "kfac", {"rows": row_side, "columns": column_side})
 
     def add_kfac_eigen(
@@ -192,8 +192,8 @@ class FisherCacheWriter:
     ) -> None:
         """Eigenbases computed elsewhere: columns of U/V are eigenvectors; None = identity."""
         shape = self._check_kfac_shape(name, S, D)
-        row_side = self._add_eigen_side(U, S, shape[0], name, "U/S")
-        column_side = self._add_eigen_side(V, D, shape[1], name, "V/D")
+        row_side = self._add_eigen_side(U, S, "rows", shape[0], name, "U/S")
+        column_side = self._add_eigen_side(V, D, "columns", shape[1], name, "V/D")
         self._add_entry(name, "kfac", {"rows": row_side, "columns": column_side})
 
     def _check_kfac_shape(self, name: str, row: torch.Tensor, column: torch.Tensor) -> tuple[int, ...]:
@@ -207,59 +207,60 @@ class FisherCacheWriter:
                 )
         return shape
 
-    def _add_side(self, factor: torch.Tensor, size: int, name: str, label: str) -> str:
+    def _add_side(self, factor: torch.Tensor, side: str, name: str, label: str) -> str:
         factor = factor.detach().to("cpu", torch.float64)
         digest = hashlib.sha256(factor.contiguous().numpy().tobytes()).hexdigest()
-        if digest in self._factor_by_digest:
-            return self._factor_by_digest[digest]
-        if not torch.isfinite(factor).all():
-            raise GraftError(f"KFAC factor {label} for {name!r} contains NaN or Inf")
-        if factor.ndim == 1:
-            eigenvectors, eigenvalues = None, factor
-        else:
+
+        def decompose() -> tuple[torch.Tensor | None, torch.Tensor]:
+            if not torch.isfinite(factor).all():
+                raise GraftError(f"KFAC factor {label} for {name!r} contains NaN or Inf")
+            if factor.ndim == 1:
+                return None, factor
             eigenvalues, eigenvectors = torch.linalg.eigh((factor + factor.T) / 2)
-        eigenvalues, clamped = _clamp_eigenvalues(eigenvalues, f"KFAC factor {label} for {name!r}")
-        self._clamped += clamped
-        key = self._put_side(name, label, eigenvectors, eigenvalues, clamped)
-        self._factor_by_digest[digest] = key
-        return key
+            return eigenvectors, eigenvalues
+
+        return self._side_once(digest, name, side, f"KFAC factor {label} for {name!r}", decompose)
 
     def _add_eigen_side(
-        self, vectors: torch.Tensor | None, values: torch.Tensor, size: int, name: str, label: str
+        self, vectors: torch.Tensor | None, values: torch.Tensor, side: str, size: int, name: str, label: str
     ) -> str:
         values = values.detach().to("cpu", torch.float64)
         if values.ndim != 1:
             raise GraftError(f"KFAC eigenvalues {label} for {name!r} must be 1-D, got {tuple(values.shape)}")
+        hasher = hashlib.sha256(values.numpy().tobytes())
         if vectors is not None:
             vectors = vectors.detach().to("cpu", torch.float64)
             if tuple(vectors.shape) != (size, values.shape[0]):
                 raise GraftError(
                     f"KFAC eigenvectors {label} for {name!r} have shape {tuple(vectors.shape)}, need ({size}, {values.shape[0]})"
                 )
-            check_orthonormal(vectors, f"KFAC eigenvectors {label} for {name!r}")
-        hasher = hashlib.sha256(values.numpy().tobytes())
-        if vectors is not None:
             hasher.update(vectors.contiguous().numpy().tobytes())
-        digest = "eigen:" + hasher.hexdigest()
-        if digest in self._factor_by_digest:
-            return self._factor_by_digest[digest]
-        values, clamped = _clamp_eigenvalues(values, f"KFAC eigenvalues {label} for {name!r}")
-        self._clamped += clamped
-        key = self._put_side(name, label, vectors, values, clamped)
-        self._factor_by_digest[digest] = key
-        return key
 
-    def _put_side(
-        self, name: str, label: str, vectors: torch.Tensor | None, values: torch.Tensor, clamped: int
-    ) -> str:
-        key = f"kfac/{name}/{'rows' if label[0] in 'PU' else 'columns'}"
-        self._store(f"{key}/eigenvalues", values.to(torch.float32).contiguous())
-        record: dict[str, Any] = {"eigenvalues": f"{key}/eigenvalues", "size": int(values.shape[0]), "clamped": clamped}
-        if vectors is not None:
-            self._store(f"{key}/eigenvectors", vectors.to(torch.float32).contiguous())
-            record["eigenvectors"] = f"{key}/eigenvectors"
-        self._factors[key] = record
-        return key
+        def checked() -> tuple[torch.Tensor | None, torch.Tensor]:
+            if vectors is not None:
+                check_orthonormal(vectors, f"KFAC eigenvectors {label} for {name!r}")
+            return vectors, values
+
+        return self._side_once("eigen:" + hasher.hexdigest(), name, side, f"KFAC eigenvalues {label} for {name!r}", checked)
+
+    def _side_once(self, digest: str, name: str, side: str, where: str, decompose) -> str:
+        """Store one factor side once: a side identical to one stored before (same digest) shares its key.
+
+        ``decompose()`` (checks, eigendecomposition) runs only for a new side.
+        """
+        if digest not in self._factor_by_digest:
+            vectors, values = decompose()
+            values, clamped = _clamp_eigenvalues(values, where)
+            self._clamped += clamped
+            key = f"kfac/{name}/{side}"
+            self._store(f"{key}/eigenvalues", values.to(torch.float32).contiguous())
+            record: dict[str, Any] = {"eigenvalues": f"{key}/eigenvalues", "size": int(values.shape[0]), "clamped": clamped}
+            if vectors is not None:
+                self._store(f"{key}/eigenvectors", vectors.to(torch.float32).contiguous())
+                record["eigenvectors"] = f"{key}/eigenvectors"
+            self._factors[key] = record
+            self._factor_by_digest[digest] = key
+        return self._factor_by_digest[digest]
 
     # -- storage ------------------------------------------------------------
     def _store(self, key: str, tensor: torch.Tensor) -> None:
