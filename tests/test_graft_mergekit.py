@@ -232,3 +232,20 @@ if sys.platform == "linux":
         import site
 
         assert any(os.path.exists(os.path.join(p, "graftmerge_hook.pth")) for p in site.getsitepackages())
+
+
+def test_example_configs_run_as_written(tmp_path, tied_models):
+    """Every merge_configs/*.yml runs through mergekit-yaml next to the folders it names."""
+    from conftest import write_mixed_cache
+
+    m = tied_models
+    for link, target in (("post", m["post"]), ("base", m["donor"]), ("base-ft", m["donor_ft"]), ("base-ft2", m["donor_ft2"])):
+        (tmp_path / link).symlink_to(target)
+    write_diagonal_cache(tmp_path / "fisher" / "post-diag", m["post"])
+    write_mixed_cache(tmp_path / "fisher" / "post-kfac", m["post"])
+    configs = sorted((Path(__file__).parent.parent / "merge_configs").glob("*.yml"))
+    assert len(configs) >= 3
+    for config in configs:
+        result = run_cli("mergekit-yaml", str(config), str(tmp_path / f"out-{config.stem}"), cwd=tmp_path)
+        assert result.returncode == 0, (config.name, result.stderr[-2000:])
+        assert read_model(tmp_path / f"out-{config.stem}").keys() == read_model(m["post"]).keys()
