@@ -249,3 +249,25 @@ def test_example_configs_run_as_written(tmp_path, tied_models):
         result = run_cli("mergekit-yaml", str(config), str(tmp_path / f"out-{config.stem}"), cwd=tmp_path)
         assert result.returncode == 0, (config.name, result.stderr[-2000:])
         assert read_model(tmp_path / f"out-{config.stem}").keys() == read_model(m["post"]).keys()
+
+
+def test_kernel_uses_the_validated_plan_and_one_threshold_pass(tmp_path, tied_models, tied_diag_cache, monkeypatch):
+    """In-process mergekit-yaml: one threshold pass per merge; the kernel reuses it."""
+    from click.testing import CliRunner
+    from mergekit.scripts.run_yaml import main
+
+    import graftmerge.threshold_pass as threshold_pass
+    from graftmerge import _import_hook
+
+    _import_hook.install()
+    calls = []
+    original = threshold_pass.compute_global_threshold
+    monkeypatch.setattr(threshold_pass, "compute_global_threshold", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setenv("GRAFTMERGE_CACHE_DIR", str(tmp_path / "threshold-cache"))
+    m = tied_models
+    config = tmp_path / "g.yml"
+    config.write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.25)], rho=0.03, fisher=tied_diag_cache,
+                                 dtype="bfloat16"))
+    result = CliRunner().invoke(main, [str(config), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output[-2000:]
+    assert len(calls) == 1
