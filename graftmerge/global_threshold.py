@@ -74,6 +74,14 @@ def _bit_chunks(scores: torch.Tensor):
         yield bits[start : start + _CHUNK]
 
 
+def _bin_of_kth_largest(histogram: torch.Tensor, k: int) -> tuple[int, int]:
+    """(bin holding the k-th largest entry, number of entries in the bins above it)."""
+    from_top = torch.cumsum(histogram.flip(0), 0)
+    index_from_top = int(torch.searchsorted(from_top, k))  # first cumulative count >= k
+    above = int(from_top[index_from_top - 1]) if index_from_top > 0 else 0
+    return histogram.numel() - 1 - index_from_top, above
+
+
 @dataclass
 class ThresholdSearch:
     """Accumulates histograms over a stream of tensors; see the module docstring.
@@ -116,10 +124,9 @@ class ThresholdSearch:
 
     def _running_bound(self) -> int:
         """Bin of the k-th largest score so far: the final boundary bin is never below it."""
-        from_top = torch.cumsum(self.coarse.flip(0), 0)
-        if self.k == 0 or int(from_top[-1]) < self.k:
+        if self.k == 0 or self.positives < self.k:
             return _FIRST_NORMAL_BIN
-        return _COARSE_BINS - 1 - int(torch.searchsorted(from_top, self.k))
+        return _bin_of_kth_largest(self.coarse, self.k)[0]
 
     def _spill(self, name: str, bits: torch.Tensor) -> None:
         if name in self._unspilled:
@@ -149,10 +156,7 @@ class ThresholdSearch:
 
     def _find_boundary(self) -> tuple[int, int]:
         if self._boundary is None:
-            from_top = torch.cumsum(self.coarse.flip(0), 0)
-            index_from_top = int(torch.searchsorted(from_top, self.k))  # first cum >= k
-            boundary_bin = _COARSE_BINS - 1 - index_from_top
-            above = int(from_top[index_from_top - 1]) if index_from_top > 0 else 0
+            boundary_bin, above = _bin_of_kth_largest(self.coarse, self.k)
             self._boundary = (boundary_bin, self.k - above)
         return self._boundary
 
@@ -194,10 +198,7 @@ class ThresholdSearch:
         fine = torch.zeros(_FINE_BINS, dtype=torch.int64)
         for low, counts in self._tensor_fine.values():
             fine[low] += counts
-        from_top = torch.cumsum(fine.flip(0), 0)
-        index_from_top = int(torch.searchsorted(from_top, needed))
-        low_bits = _FINE_BINS - 1 - index_from_top
-        above_in_bin = int(from_top[index_from_top - 1]) if index_from_top > 0 else 0
+        low_bits, above_in_bin = _bin_of_kth_largest(fine, needed)
         ties_needed = needed - above_in_bin
         bits = torch.tensor([(boundary_bin << 16) | low_bits], dtype=torch.int32)
         threshold = float(bits.view(torch.float32).item())
