@@ -161,10 +161,8 @@ class GraftInputs:
         shape = self.post.tensors[name].shape
         if len(shape) == 0 or self.post.tensors[name].numel <= BLOCK_ELEMENTS:
             return [None]
-        if self.fisher_kind(name) == "kfac":
-            rows_side = self.fisher.manifest["factors"][self.fisher.entries[name]["kfac"]["rows"]]
-            if "eigenvectors" in rows_side:
-                return [None]
+        if self.fisher_kind(name) == "kfac" and "eigenvectors" in self.fisher.kfac_side(name, "rows"):
+            return [None]
         step = max(1, BLOCK_ELEMENTS // (self.post.tensors[name].numel // shape[0]))
         return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
 
@@ -219,9 +217,8 @@ def _check_kfac_sizes(fisher: FisherCache, post: Checkpoint) -> None:
         shape = post.tensors[name].shape
         if len(shape) != 2:
             raise GraftError(f"Fisher cache {fisher.path}: KFAC entry for {name!r}, which is not 2-D (shape {shape})")
-        entry = fisher.entries[name]["kfac"]
         for side, dim in (("rows", 0), ("columns", 1)):
-            size = fisher.manifest["factors"][entry[side]]["size"]
+            size = fisher.kfac_side(name, side)["size"]
             if size != shape[dim]:
                 raise GraftError(
                     f"Fisher cache {fisher.path}: KFAC {side} factor of {name!r} has size {size}, weight {shape} needs {shape[dim]}"
@@ -238,12 +235,10 @@ def _scalar(value, label: str):
 
 def _number(value, label: str) -> float:
     value = _scalar(value, label)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise GraftError(f"graft parameter {label} must be a number, got {value!r}") from None
-    return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise GraftError(f"graft parameter {label} must be a number, got {value!r}") from None
 
 
 def plan_from_merge_config(config) -> GraftPlan:

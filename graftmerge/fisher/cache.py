@@ -408,6 +408,10 @@ class FisherCache:
     def has(self, name: str, representation: str) -> bool:
         return representation in self.entries.get(name, {})
 
+    def kfac_side(self, name: str, side: str) -> dict[str, Any]:
+        """Manifest record of one side (``rows`` or ``columns``) of a KFAC entry: size, keys."""
+        return self._factors[self.entries[name]["kfac"][side]]
+
     def names(self, representation: str | None = None) -> list[str]:
         """Weights with an entry (of ``representation``, when given)."""
         return sorted(n for n, e in self.entries.items() if representation is None or representation in e)
