@@ -32,6 +32,7 @@ SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F8_E4M3": (torch.float8_e4m3fn, 1),
     "F8_E5M2": (torch.float8_e5m2, 1),
 }
+SAFETENSORS_NAMES: dict[torch.dtype, str] = {dtype: name for name, (dtype, _) in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
@@ -40,7 +41,7 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     dtype: str  # safetensors spelling, e.g. "BF16"
-    file: Path
+    file: Path | None  # None for a tensor held in memory
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -100,7 +101,24 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-class Checkpoint:
+class TensorSource:
+    """What a graft reads from each input: tensor infos by name, and one tensor at a time."""
+
+    label: str
+    tensors: dict[str, TensorInfo]
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def fingerprint(self) -> dict[str, dict]:
+        """Names, shapes and dtypes: what a Fisher cache must match."""
+        return {
+            name: {"shape": list(info.shape), "dtype": info.dtype}
+            for name, info in sorted(self.tensors.items())
+        }
+
+
+class Checkpoint(TensorSource):
     """A model folder's tensors by name; headers validated, data read lazily."""
 
     def __init__(self, folder: str | os.PathLike, label: str | None = None):
@@ -144,13 +162,6 @@ class Checkpoint:
                 return handle.get_tensor(name)
             return handle.get_slice(name)[rows[0] : rows[1]]
 
-    def fingerprint(self) -> dict[str, dict]:
-        """Names, shapes and dtypes: what a Fisher cache must match."""
-        return {
-            name: {"shape": list(info.shape), "dtype": info.dtype}
-            for name, info in sorted(self.tensors.items())
-        }
-
     def file_stamps(self) -> list[tuple[str, int, int]]:
         """(path, size, mtime_ns) of every shard: cheap identity for result caches."""
         stamps = []
@@ -158,3 +169,26 @@ class Checkpoint:
             stat = file.stat()
             stamps.append((str(file.resolve()), stat.st_size, stat.st_mtime_ns))
         return stamps
+
+
+class InMemoryCheckpoint(TensorSource):
+    """Tensors already in memory (mergekit's state-dict API), read in a fixed working dtype.
+
+    Reads return contiguous tensors, so strided inputs (e.g. transposed views) rank
+    and mask exactly like their contiguous copies.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], label: str):
+        self.label = label
+        self._tensors = tensors
+        self._dtypes = dtypes
+        self.tensors = {
+            name: TensorInfo(name=name, shape=tuple(t.shape), dtype=SAFETENSORS_NAMES[dtypes[name]], file=None)
+            for name, t in tensors.items()
+        }
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        tensor = self._tensors[name]
+        if rows is not None:
+            tensor = tensor[rows[0] : rows[1]]
+        return tensor.to(self._dtypes[name]).contiguous()

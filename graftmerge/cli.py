@@ -45,6 +45,10 @@ class _LazyGroup(click.Group):
         "fisher": ("graftmerge.estimate.cli", "fisher"),
         "merge": ("graftmerge.merge_cli", "merge"),
         "demo": ("graftmerge.demo", "demo"),
+        "plan": ("graftmerge.plan_cli", "plan"),
+        "sweep": ("graftmerge.sweep_cli", "sweep"),
+        "delta": ("graftmerge.delta.cli", "delta"),
+        "import-gguf": ("graftmerge.gguf_cli", "import_gguf"),
     }
 
     def list_commands(self, ctx):
@@ -67,5 +71,11 @@ def main() -> None:
     \b
     graftmerge merge graft.yml out/        run a graft config (same as mergekit-yaml)
     graftmerge demo                        tiny end-to-end graft on generated models
+    graftmerge plan graft.yml --rho 0.001,0.01   what each ρ would mask (no model written)
+    graftmerge sweep graft.yml --lambda 0.5,1 --rho 0,0.01 -o DIR
+                                           one model per (λ, ρ), inputs read once
     graftmerge fisher estimate MODEL ...   estimate a retention Fisher cache
+    graftmerge fisher compress CACHE -k K -o OUT   keep the top-K KFAC eigenvectors per side
+    graftmerge delta extract DONOR FT -o D write a graft as a shareable folder
+    graftmerge import-gguf FILE -o DIR     a GGUF causal LM as a Hugging Face folder
     """

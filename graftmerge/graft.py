@@ -24,7 +24,7 @@ from graftmerge.graft_plan import GraftInputs, GraftPlan, open_inputs, plan_from
 from graftmerge.projection import remove_masked, score_delta
 from graftmerge.rotation_store import RotationStore
 from graftmerge.selection import mask_from_threshold, masked_count, top_k_mask
-from graftmerge.threshold_pass import global_threshold
+from graftmerge.threshold_pass import compute_global_threshold, global_threshold
 
 # Plans validated by run_graft_merge, by everything but dtype: the kernel sees
 # tensors already cast and cannot read the config's dtype itself.
@@ -61,24 +61,42 @@ def graft_tensor(
     plan: GraftPlan,
     name: str,
     post: torch.Tensor,
-    donor: torch.Tensor,
+    donor: torch.Tensor | None,
     fine_tunes: Sequence[torch.Tensor],
+    deltas: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """θpost + M_ρ(Δ) for one tensor; inputs already in the working dtype, on the math device."""
-    delta = donor_delta(donor, fine_tunes, plan.lambdas)
-    if plan.masked and open_inputs(plan).fisher_kind(name):
-        delta = _masked(plan, name, delta)
+    """θpost + M_ρ(Δ) for one tensor; inputs already in the working dtype, on the math device.
+
+    ``deltas`` are the ``role: delta`` tensors, in plan order (``donor`` is None with deltas only).
+    """
+    return graft_opened(open_inputs(plan), name, post, donor, fine_tunes, deltas)
+
+
+def graft_opened(
+    inputs: GraftInputs,
+    name: str,
+    post: torch.Tensor,
+    donor: torch.Tensor | None,
+    fine_tunes: Sequence[torch.Tensor],
+    deltas: Sequence[torch.Tensor] = (),
+) -> torch.Tensor:
+    """``graft_tensor`` for inputs already opened (from files or from memory)."""
+    delta = donor_delta(donor, fine_tunes, inputs.plan.lambdas, deltas, inputs.plan.delta_lambdas)
+    if inputs.plan.masked and inputs.fisher_kind(name):
+        delta = _masked(inputs, name, delta)
     return delta.add_(post.to(delta.dtype)).to(post.dtype)  # θpost + Δ', in Δ's buffer
 
 
-def _masked(plan: GraftPlan, name: str, delta: torch.Tensor) -> torch.Tensor:
-    inputs = open_inputs(plan)
+def _masked(inputs: GraftInputs, name: str, delta: torch.Tensor) -> torch.Tensor:
+    plan = inputs.plan
     if plan.rho_scope == "tensor":
         fisher = inputs.tensor_fisher(name).to(delta.device)
         scored = score_delta(delta, fisher)
         mask = top_k_mask(scored.scores, masked_count(plan.rho, scored.scores.numel()))
         return remove_masked(scored, mask, fisher)
-    threshold = global_threshold(inputs, device=str(delta.device), progress=False)
+    threshold = inputs.memo.get("global_threshold") or global_threshold(
+        inputs, device=str(delta.device), progress=False
+    )
     ties_left = threshold.tie_quota.get(name, 0)
     kept = inputs.memo.get("rotations")
     # The same row blocks as the threshold pass: identical scores, and a huge
@@ -94,6 +112,27 @@ def _masked(plan: GraftPlan, name: str, delta: torch.Tensor) -> torch.Tensor:
         remove_masked(scored, mask, fisher)  # in place: ``part`` is a view of ``delta``
         del scored, mask, fisher
     return delta
+
+
+def graft_in_memory(inputs: GraftInputs, device: torch.device | str = "cpu") -> Iterator[torch.Tensor]:
+    """Graft every tensor of in-memory inputs, in ``inputs.post`` order.
+
+    The whole model is in memory here, so the global threshold is computed from
+    the given tensors themselves (no pre-pass over files, nothing cached on disk).
+    """
+    plan = inputs.plan
+    if plan.masked and plan.rho_scope == "global":
+        with torch.no_grad():
+            inputs.memo["global_threshold"] = compute_global_threshold(inputs, device=str(device), progress=False)
+    for name in inputs.post.tensors:
+        with torch.no_grad() if plan.masked else contextlib.nullcontext():
+            yield graft_opened(
+                inputs,
+                name,
+                inputs.post.read(name),
+                inputs.donor.read(name),
+                [fine_tune.read(name) for fine_tune in inputs.fine_tunes],
+            )
 
 
 @contextlib.contextmanager

@@ -10,18 +10,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 
 from graftmerge.checkpoint import Checkpoint
+from graftmerge.delta.manifest import MANIFEST_NAME as DELTA_MANIFEST
+from graftmerge.delta.manifest import DeltaFolder, open_delta
 from graftmerge.donor_delta import donor_delta
 from graftmerge.errors import GraftError
-from graftmerge.fisher.cache import FisherCache, open_fisher_cache
+from graftmerge.fisher.cache import FisherCache, open_fisher_cache, side_rank
 from graftmerge.projection import TensorFisher
 
 ROLES = ("donor", "donor_ft")
+CONFIG_ROLES = (*ROLES, "delta")  # delta: a folder from `graftmerge delta extract`
 MODEL_PARAMETERS = ("role", "weight")
 GLOBAL_PARAMETERS = ("lambda", "rho", "fisher", "rho_scope", "mask")
 RHO_SCOPES = ("global", "tensor")
@@ -37,10 +41,14 @@ class FineTune:
 
 @dataclass(frozen=True)
 class GraftPlan:
-    """θ = θpost + M_ρ(Σ_i lambda·weight_i (θft_i − θdonor))."""
+    """θ = θpost + M_ρ(Σ_i lambda·weight_i (θft_i − θdonor) + Σ_j lambda·weight_j δ_j).
+
+    ``deltas`` are precomputed δ folders (``role: delta``); ``donor`` is None
+    when there are only deltas.
+    """
 
     post: str
-    donor: str
+    donor: str | None
     fine_tunes: tuple[FineTune, ...]
     lam: float = 1.0
     rho: float = 0.0
@@ -48,10 +56,15 @@ class GraftPlan:
     rho_scope: str = "global"
     mask: str = "auto"
     dtype: str | None = None
+    deltas: tuple[FineTune, ...] = ()
 
     @property
     def lambdas(self) -> list[float]:
         return [self.lam * ft.weight for ft in self.fine_tunes]
+
+    @property
+    def delta_lambdas(self) -> list[float]:
+        return [self.lam * d.weight for d in self.deltas]
 
     @property
     def masked(self) -> bool:
@@ -59,7 +72,8 @@ class GraftPlan:
 
     def check(self) -> None:
         """Parameter-level checks (no file access beyond existence)."""
-        for label, value in [("lambda", self.lam)] + [(f"weight of {f.path}", f.weight) for f in self.fine_tunes]:
+        terms = (*self.fine_tunes, *self.deltas)
+        for label, value in [("lambda", self.lam)] + [(f"weight of {f.path}", f.weight) for f in terms]:
             if not math.isfinite(value):
                 raise GraftError(f"graft parameter {label} must be a finite number, got {value}")
         if not 0 <= self.rho < 1:
@@ -93,33 +107,58 @@ def resolve_model_folder(path: str, revision: str | None = None) -> str:
     raise GraftError(f"model folder {path} does not exist")
 
 
+def resolve_fisher_folder(fisher: str) -> str:
+    """The folder of ``fisher:``: a local path as written, or ``org/name@rev`` from the Hub (HF cache offline)."""
+    from graftmerge.hub.artifacts import resolve_artifact
+    from graftmerge.hub.kinds import FISHER
+
+    return resolve_artifact(FISHER, fisher)
+
+
 @dataclass
 class GraftInputs:
     """The opened inputs of a plan: checkpoints (headers only) and the Fisher cache."""
 
     plan: GraftPlan
     post: Checkpoint
-    donor: Checkpoint
+    donor: Checkpoint | None  # None: the plan has only deltas
     fine_tunes: list[Checkpoint]
     fisher: FisherCache | None
     _fisher_kind: dict[str, str | None] = field(default_factory=dict)
     memo: dict = field(default_factory=dict)  # per-plan results other modules derive once
+    deltas: list[Checkpoint] = field(default_factory=list)  # role: delta folders, in plan order
 
     @classmethod
     def open(cls, plan: GraftPlan) -> GraftInputs:
+        """Open the plan's model folders (headers only) and its Fisher cache, all checked."""
         plan.check()
         post = Checkpoint(plan.post, label=f"post model {plan.post}")
-        donor = Checkpoint(plan.donor, label=f"donor {plan.donor}")
+        donor = Checkpoint(plan.donor, label=f"donor {plan.donor}") if plan.donor is not None else None
         fine_tunes = [Checkpoint(ft.path, label=f"donor_ft {ft.path}") for ft in plan.fine_tunes]
-        _check_same_tensors(post, [donor, *fine_tunes])
+        deltas = [open_delta(d.path, label=f"delta {d.path}") for d in plan.deltas]
+        return cls.from_sources(plan, post, donor, fine_tunes, deltas=deltas)
+
+    @classmethod
+    def from_sources(
+        cls, plan: GraftPlan, post, donor, fine_tunes: list, *, partial: bool = False,
+        deltas: list[DeltaFolder] = (),
+    ) -> GraftInputs:
+        """The same checks for any tensor sources with Checkpoint's interface (files or memory).
+
+        ``partial``: the post sources may hold a subset of the cache's model (in-memory
+        callers pass only floating tensors); each given tensor must still fit the cache.
+        """
+        plan.check()
+        _check_same_tensors(post, [c for c in (donor, *fine_tunes, *(d.checkpoint for d in deltas)) if c is not None])
+        _check_delta_donors(deltas, donor)
         fisher = None
         if plan.masked:
-            fisher = open_fisher_cache(plan.fisher)
-            fisher.check_fits(post)
+            fisher = open_fisher_cache(resolve_fisher_folder(plan.fisher))
+            fisher.check_fits(post, partial=partial)
             _check_kfac_sizes(fisher, post)
             if plan.mask == "kfac" and not fisher.names("kfac"):
                 raise GraftError(f"mask: kfac, but Fisher cache {plan.fisher} has no KFAC entries (kind {fisher.kind})")
-        return cls(plan, post, donor, fine_tunes, fisher)
+        return cls(plan, post, donor, fine_tunes, fisher, deltas=[d.checkpoint for d in deltas])
 
     def fisher_kind(self, name: str) -> str | None:
         """'diagonal', 'kfac' or None (not ranked, Δ applied unmasked) for tensor ``name``."""
@@ -142,6 +181,12 @@ class GraftInputs:
         return [name for name in sorted(self.post.tensors) if self.fisher_kind(name)]
 
     def direction_count(self, name: str) -> int:
+        """Directions of ``name`` that are scored (count in D): its coordinates, or its KFAC pairs.
+
+        A truncated KFAC side (``fisher compress``) contributes only its kept eigenvectors.
+        """
+        if self.fisher_kind(name) == "kfac":
+            return math.prod(side_rank(self.fisher.kfac_side(name, side)) for side in ("rows", "columns"))
         return self.post.tensors[name].numel
 
     def tensor_fisher(self, name: str, rows: tuple[int, int] | None = None) -> TensorFisher:
@@ -173,8 +218,9 @@ class GraftInputs:
 
             return dtype_from_name(self.plan.dtype)
         dtype = self.post.tensors[name].torch_dtype
-        for checkpoint in (self.donor, *self.fine_tunes):
-            dtype = torch.promote_types(dtype, checkpoint.tensors[name].torch_dtype)
+        for checkpoint in (self.donor, *self.fine_tunes, *self.deltas):
+            if checkpoint is not None:
+                dtype = torch.promote_types(dtype, checkpoint.tensors[name].torch_dtype)
         return dtype
 
     def read_delta(
@@ -182,9 +228,11 @@ class GraftInputs:
     ) -> torch.Tensor:
         """Δ for one tensor (or its rows), computed exactly as the merge kernel computes it."""
         dtype = self.working_dtype(name)
-        donor = self.donor.read(name, rows).to(device=device, dtype=dtype)
-        fine_tunes = [ft.read(name, rows).to(device=device, dtype=dtype) for ft in self.fine_tunes]
-        return donor_delta(donor, fine_tunes, self.plan.lambdas)
+        read = lambda source: source.read(name, rows).to(device=device, dtype=dtype)  # noqa: E731
+        donor = read(self.donor) if self.donor is not None else None
+        fine_tunes = [read(ft) for ft in self.fine_tunes]
+        deltas = [read(d) for d in self.deltas]
+        return donor_delta(donor, fine_tunes, self.plan.lambdas, deltas, self.plan.delta_lambdas)
 
 
 @lru_cache(maxsize=8)
@@ -212,8 +260,23 @@ def _check_same_tensors(post: Checkpoint, others: list[Checkpoint]) -> None:
                 )
 
 
+def _check_delta_donors(deltas: list[DeltaFolder], donor) -> None:
+    """Deltas must come from the config's donor (when it has one), and all from one donor."""
+    if isinstance(donor, Checkpoint):
+        for delta in deltas:
+            delta.check_donor(donor)
+    elif len({d.donor["sampled_sha256"] for d in deltas}) > 1:
+        origins = ", ".join(f"{d.path} (from {d.donor['path']})" for d in deltas)
+        raise GraftError(
+            f"the deltas were extracted from different donors: {origins}; deltas grafted together "
+            "must share one donor"
+        )
+
+
 def _check_kfac_sizes(fisher: FisherCache, post: Checkpoint) -> None:
     for name in fisher.names("kfac"):
+        if name not in post.tensors:
+            continue  # a partial (in-memory) post: only the given tensors are grafted
         shape = post.tensors[name].shape
         if len(shape) != 2:
             raise GraftError(f"Fisher cache {fisher.path}: KFAC entry for {name!r}, which is not 2-D (shape {shape})")
@@ -223,6 +286,43 @@ def _check_kfac_sizes(fisher: FisherCache, post: Checkpoint) -> None:
                 raise GraftError(
                     f"Fisher cache {fisher.path}: KFAC {side} factor of {name!r} has size {size}, weight {shape} needs {shape[dim]}"
                 )
+
+
+def check_role_counts(donors: int, fine_tunes: int, what: str = "model", deltas: int = 0) -> None:
+    """At most one donor, at least one donor_ft or delta, a donor with every donor_ft: the same words for configs and state dicts."""
+    if donors > 1:
+        raise GraftError(f"duplicate role donor ({donors} {what}s); a graft has exactly one donor")
+    if not fine_tunes and not deltas:
+        raise GraftError(
+            f"graft needs at least one {what} with role donor_ft (the fine-tuned donor) or role delta "
+            "(a folder from `graftmerge delta extract`)"
+        )
+    if fine_tunes and not donors:
+        raise GraftError("donor_ft given without a donor; add the checkpoint it was fine-tuned from with role donor")
+
+
+def positional_roles(non_base_ids: Sequence[Hashable], given: Mapping[Hashable, str]) -> dict[Hashable, str]:
+    """Roles of in-memory inputs (mergekit's ``merge_state_dicts``): as given, or by position.
+
+    With no ``role`` at all, the first non-base input is the donor and the others are
+    donor_ft (so ``[post, donor, ft]`` with ``base=0`` just works); once any input has a
+    role, every one must.
+    """
+    unset = [key for key in non_base_ids if not given.get(key)]
+    if len(unset) == len(non_base_ids):
+        return {key: "donor" if index == 0 else "donor_ft" for index, key in enumerate(non_base_ids)}
+    if unset:
+        raise GraftError(
+            f"graft input(s) {', '.join(map(repr, unset))} have no role while others do: give every "
+            "non-base input a role (donor, donor_ft), or none (then the first non-base input is the "
+            "donor, the others donor_ft)"
+        )
+    for key in non_base_ids:
+        if given[key] not in ROLES:
+            raise GraftError(f"graft input {key!r} has unknown role {given[key]!r}; roles are {', '.join(ROLES)}")
+    roles = [given[key] for key in non_base_ids]
+    check_role_counts(roles.count("donor"), roles.count("donor_ft"), what="input")
+    return {key: given[key] for key in non_base_ids}
 
 
 def _scalar(value, label: str):
@@ -251,7 +351,7 @@ def plan_from_merge_config(config) -> GraftPlan:
     unknown = sorted(set(parameters) - set(GLOBAL_PARAMETERS))
     if unknown:
         raise GraftError(f"unknown graft parameter(s) {', '.join(unknown)}; known: {', '.join(GLOBAL_PARAMETERS)}")
-    donors, fine_tunes, seen = [], [], {str(config.base_model): "base_model"}
+    donors, fine_tunes, deltas, seen = [], [], [], {str(config.base_model): "base_model"}
     for entry in config.models:
         reference = entry.model
         label = str(reference)
@@ -265,30 +365,33 @@ def plan_from_merge_config(config) -> GraftPlan:
             raise GraftError(f"model {label}: unknown parameter(s) {', '.join(unknown)}; known: role, weight")
         role = _scalar(model_parameters.get("role"), f"role of {label}")
         if role is None:
-            raise GraftError(f"model {label} has no role; set `parameters: {{role: donor}}` or `{{role: donor_ft}}`")
-        if role not in ROLES:
-            raise GraftError(f"model {label} has unknown role {role!r}; roles are {', '.join(ROLES)}")
+            raise GraftError(
+                f"model {label} has no role; set `parameters: {{role: donor}}`, `{{role: donor_ft}}` or `{{role: delta}}`"
+            )
+        if role not in CONFIG_ROLES:
+            raise GraftError(f"model {label} has unknown role {role!r}; roles are {', '.join(CONFIG_ROLES)}")
         seen[label] = f"role {role}"
         folder = resolve_model_folder(reference.model.path, reference.model.revision)
         if role == "donor":
             if "weight" in model_parameters:
-                raise GraftError(f"model {label}: `weight` belongs on donor_ft inputs, not on the donor")
+                raise GraftError(f"model {label}: `weight` belongs on donor_ft and delta inputs, not on the donor")
             donors.append(folder)
         else:
             weight = _number(model_parameters.get("weight", 1.0), f"weight of {label}")
-            fine_tunes.append(FineTune(folder, weight))
-    if len(donors) > 1:
-        raise GraftError(f"duplicate role donor ({len(donors)} models); a graft has exactly one donor")
-    if not fine_tunes:
-        raise GraftError("graft needs at least one model with role donor_ft (the fine-tuned donor)")
-    if not donors:
-        raise GraftError("donor_ft given without a donor; add the checkpoint it was fine-tuned from with role donor")
+            if role == "delta" and not os.path.exists(os.path.join(folder, DELTA_MANIFEST)):
+                raise GraftError(
+                    f"model {label} has role delta, but {folder} has no {DELTA_MANIFEST}: make a delta with "
+                    "`graftmerge delta extract DONOR DONOR_FT -o DELTA`, or give this model role donor_ft"
+                )
+            (deltas if role == "delta" else fine_tunes).append(FineTune(folder, weight))
+    check_role_counts(len(donors), len(fine_tunes), deltas=len(deltas))
     fisher = parameters.get("fisher")
     fisher = None if fisher is None else str(_scalar(fisher, "fisher"))
     plan = GraftPlan(
         post=resolve_model_folder(config.base_model.model.path, config.base_model.model.revision),
-        donor=donors[0],
+        donor=donors[0] if donors else None,
         fine_tunes=tuple(fine_tunes),
+        deltas=tuple(deltas),
         lam=_number(parameters.get("lambda", 1.0), "lambda"),
         rho=_number(parameters.get("rho", 0.0), "rho"),
         fisher=fisher,

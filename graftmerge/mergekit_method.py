@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 import torch
+from mergekit.common import ModelReference
 from mergekit.merge_methods.base import (
     BasePolicy,
     GroupMergeMethod,
@@ -20,9 +21,16 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
+from graftmerge.checkpoint import InMemoryCheckpoint
 from graftmerge.errors import GraftError
-from graftmerge.graft import graft_tensor, run_graft_merge, validated_plan
-from graftmerge.graft_plan import FineTune, GraftPlan, resolve_model_folder
+from graftmerge.graft import graft_in_memory, graft_tensor, run_graft_merge, validated_plan
+from graftmerge.graft_plan import (
+    FineTune,
+    GraftInputs,
+    GraftPlan,
+    positional_roles,
+    resolve_model_folder,
+)
 
 PAPER_URL = "https://arxiv.org/abs/2610.05872"
 
@@ -44,12 +52,20 @@ class GraftMergeMethod(GroupMergeMethod):
                 ParameterSpec("rho_scope", str, ParameterScope.SHARED, default="global"),
                 ParameterSpec("mask", str, ParameterScope.SHARED, default="auto"),
             ),
-            contract=InputContract(base=BasePolicy.REQUIRED, min_non_base=2),
+            contract=InputContract(base=BasePolicy.REQUIRED, min_non_base=1),  # one role: delta is a graft
         )
+
+    def validate_inputs(self, input_ids, base_id=None, *, group_name=None) -> None:
+        if base_id is None or base_id not in input_ids:
+            raise GraftError(
+                "graft needs a base input: the post-trained model that receives the graft "
+                "(`base_model:` in a config, `base=<its id>` in merge_state_dicts)"
+            )
+        super().validate_inputs(input_ids, base_id, group_name=group_name)
 
     def merge_group(self, group: TensorGroup, /, **parameters: Any) -> torch.Tensor:
         post = group.base.tensor
-        donor, fine_tunes, fine_tune_tensors = None, [], []
+        donor, donor_folder, fine_tunes, fine_tune_tensors, deltas, delta_tensors = None, None, [], [], [], []
         for entry in group.non_base:
             role = parameters["role"][entry.id]
             folder = resolve_model_folder(entry.id.model.path, entry.id.model.revision)
@@ -59,15 +75,19 @@ class GraftMergeMethod(GroupMergeMethod):
             elif role == "donor_ft":
                 fine_tunes.append(FineTune(folder, parameters["weight"][entry.id]))
                 fine_tune_tensors.append(entry.tensor)
+            elif role == "delta":
+                deltas.append(FineTune(folder, parameters["weight"][entry.id]))
+                delta_tensors.append(entry.tensor)
             else:
-                raise GraftError(f"model {entry.id} has role {role!r}; roles are donor, donor_ft")
-        if donor is None or not fine_tunes:
-            raise GraftError("graft needs one model with role donor and at least one with role donor_ft")
+                raise GraftError(f"model {entry.id} has role {role!r}; roles are donor, donor_ft, delta")
+        if (donor is None and fine_tunes) or not (fine_tunes or deltas):
+            raise GraftError("graft needs role delta inputs, or one role donor and at least one role donor_ft")
         plan = validated_plan(
             GraftPlan(
                 post=resolve_model_folder(group.base.id.model.path, group.base.id.model.revision),
                 donor=donor_folder,
                 fine_tunes=tuple(fine_tunes),
+                deltas=tuple(deltas),
                 lam=parameters["lambda"],
                 rho=parameters["rho"],
                 fisher=parameters["fisher"],
@@ -75,7 +95,64 @@ class GraftMergeMethod(GroupMergeMethod):
                 mask=parameters["mask"],
             )
         )
-        return graft_tensor(plan, group.metadata.name, post, donor, fine_tune_tensors)
+        return graft_tensor(plan, group.metadata.name, post, donor, fine_tune_tensors, delta_tensors)
+
+    def _execute(self, groups, parameters, options, *, input_dtypes, out_dtype=None):
+        """Model folders (mergekit's graph) go tensor by tensor; in-memory inputs all at once.
+
+        ``merge_state_dicts`` / ``merge_tensors`` hand over plain ids (ints, names), not
+        model references: those inputs are grafted by :func:`graft_state_dict_groups`.
+        """
+        if all(isinstance(entry.id, ModelReference) for group in groups for entry in group.entries):
+            return super()._execute(groups, parameters, options, input_dtypes=input_dtypes, out_dtype=out_dtype)
+        merged = graft_state_dict_groups(groups, parameters, input_dtypes)
+        return tuple(t if out_dtype is None else t.to(out_dtype) for t in merged)
+
+
+def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtypes) -> list[torch.Tensor]:
+    """Graft in-memory tensor groups (one per weight) that share their inputs' ids and roles."""
+    if not groups:
+        return []
+    first = groups[0]
+    ids = [entry.id for entry in first.entries]
+    for group in groups[1:]:
+        if [entry.id for entry in group.entries] != ids or group.base.id != first.base.id:
+            raise GraftError(f"graft needs the same inputs for every tensor; {group.metadata.name} has other ids")
+    shared = parameters[0]
+    non_base = [entry.id for entry in first.non_base]
+    roles = positional_roles(non_base, dict(shared["role"]))
+    for bound in parameters[1:]:
+        if dict(bound["role"]) != dict(shared["role"]):
+            raise GraftError("graft needs one role per input for all tensors (per-tensor roles are not supported)")
+    names = [group.metadata.name or f"<tensor {index}>" for index, group in enumerate(groups)]
+    if len(set(names)) != len(names):
+        raise GraftError("graft needs distinct tensor names for in-memory inputs")
+    dtypes = {name: dtype for name, dtype in zip(names, input_dtypes)}
+
+    def source(key, label: str) -> InMemoryCheckpoint:
+        index = ids.index(key)
+        return InMemoryCheckpoint({n: g.entries[index].tensor for n, g in zip(names, groups)}, dtypes, label)
+
+    donor_id = next(key for key in non_base if roles[key] == "donor")
+    fine_tune_ids = [key for key in non_base if roles[key] == "donor_ft"]
+    plan = GraftPlan(
+        post=f"input {first.base.id!r}",
+        donor=f"input {donor_id!r}",
+        fine_tunes=tuple(FineTune(f"input {key!r}", shared["weight"][key]) for key in fine_tune_ids),
+        lam=shared["lambda"],
+        rho=shared["rho"],
+        fisher=shared["fisher"],
+        rho_scope=shared["rho_scope"],
+        mask=shared["mask"],
+    )
+    inputs = GraftInputs.from_sources(
+        plan,
+        source(first.base.id, f"post (input {first.base.id!r})"),
+        source(donor_id, f"donor (input {donor_id!r})"),
+        [source(key, f"donor_ft (input {key!r})") for key in fine_tune_ids],
+        partial=True,
+    )
+    return list(graft_in_memory(inputs, device=first.entries[0].tensor.device))
 
 
 graft_merge_method = GraftMergeMethod()

@@ -53,8 +53,9 @@ def _threshold_key(inputs: GraftInputs, device: str) -> str:
     payload = {
         "graftmerge": __version__,
         "plan": plan,
-        "donor": inputs.donor.file_stamps(),
+        "donor": inputs.donor.file_stamps() if inputs.donor is not None else None,
         "fine_tunes": [ft.file_stamps() for ft in inputs.fine_tunes],
+        "deltas": [d.file_stamps() for d in inputs.deltas],
         "fisher": inputs.fisher.file_stamps(),
         "device": torch.device(device).type,
     }

@@ -7,13 +7,16 @@ import os
 import shutil
 import subprocess
 import sys
+from fractions import Fraction
+from math import ceil
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from graftmerge.checkpoint import Checkpoint
-from graftmerge.fisher import FisherCacheWriter
+from graftmerge.fisher import FisherCacheWriter, open_fisher_cache
 from graftmerge.tiny import make_graft_inputs, save_tiny_model
 
 BIN = Path(sys.executable).parent
@@ -81,6 +84,76 @@ def write_mixed_cache(path: Path, post: Path, seed: int = 0) -> Path:
                 writer.add_diagonal(name, torch.rand(info.shape, generator=g) ** 2)
     return path
 
+
+class BruteForceGraft(NamedTuple):
+    """What a whole-model brute force expects: outputs, and which directions it masked."""
+
+    expected: dict[str, torch.Tensor]  # θpost + Δ' (float32)
+    masks: dict[str, torch.Tensor]  # ranked tensors only: bool, shape of Δ (Δ̃ for KFAC)
+    kinds: dict[str, str]  # ranked tensors only: "diagonal" or "kfac"
+
+
+def brute_force_graft(
+    post: Path, donor: Path, fine_tunes, fisher: Path, rho: float, scope: str = "global", mask: str = "auto",
+) -> BruteForceGraft:
+    """The whole model flattened at once: every ranked direction scored, one stable sort, top ⌈ρ·D⌉.
+
+    Written from SPEC §2 and the README's tie rule, independently of graftmerge's
+    streaming threshold: diagonal scores F⊙Δ², KFAC scores σ_i d_j Δ̃² with
+    Δ̃ = UᵀΔV; tensors in name order, row-major coordinates; scores below
+    float32's smallest normal never masked; tensors without a usable Fisher entry
+    unranked and unmasked. KFAC: Δ' = Δ − U(1_S ⊙ Δ̃)Vᵀ.
+    """
+    post_w, donor_w = read_model(post), read_model(donor)
+    ft_w = [(read_model(p), w) for p, w in fine_tunes]
+    cache = open_fisher_cache(fisher)
+    names = sorted(post_w)
+    deltas = {n: sum(w * (ft[n].float() - donor_w[n].float()) for ft, w in ft_w) for n in names}
+    kinds: dict[str, str] = {}
+    for n in names:
+        if mask == "auto":
+            kind = cache.representation(n)
+        elif mask == "kfac" and cache.has(n, "kfac"):
+            kind = "kfac"
+        else:
+            kind = "diagonal" if cache.has(n, "diagonal") else None
+        if kind:
+            kinds[n] = kind
+    ranked = [n for n in names if n in kinds]
+    rotated, scores = {}, {}
+    for n in ranked:
+        if kinds[n] == "kfac":
+            f = cache.kfac(n)
+            left = deltas[n] if f.U is None else f.U.T @ deltas[n]
+            rotated[n] = left if f.V is None else left @ f.V
+            scores[n] = rotated[n].square() * f.S[:, None] * f.D[None, :]
+        else:
+            scores[n] = cache.diagonal(n) * deltas[n].square()
+
+    def top(flat: torch.Tensor) -> torch.Tensor:
+        k = ceil(Fraction(repr(rho)) * flat.numel())
+        chosen = torch.zeros_like(flat, dtype=torch.bool)
+        chosen[torch.sort(flat, descending=True, stable=True).indices[:k]] = True
+        return chosen & (flat >= torch.finfo(torch.float32).tiny)
+
+    if scope == "global":
+        flat_mask = top(torch.cat([scores[n].reshape(-1) for n in ranked]))
+        flat_masks = dict(zip(ranked, torch.split(flat_mask, [scores[n].numel() for n in ranked])))
+    else:
+        flat_masks = {n: top(scores[n].reshape(-1)) for n in ranked}
+    masks = {n: flat_masks[n].reshape(scores[n].shape) for n in ranked}
+    expected = {}
+    for n in names:
+        applied = deltas[n]
+        if kinds.get(n) == "kfac":
+            f = cache.kfac(n)
+            part = torch.where(masks[n], rotated[n], 0.0)
+            part = part if f.V is None else part @ f.V.T
+            applied = applied - (part if f.U is None else f.U @ part)
+        elif n in kinds:
+            applied = applied.masked_fill(masks[n], 0)
+        expected[n] = post_w[n].float() + applied
+    return BruteForceGraft(expected, masks, kinds)
 
 
 def graft_yaml(

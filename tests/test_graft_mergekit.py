@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import graft_yaml, read_model, run_cli, write_diagonal_cache
+from conftest import brute_force_graft, graft_yaml, read_model, run_cli, write_diagonal_cache
 from safetensors.torch import save_file
 
 from graftmerge.fisher import open_fisher_cache
@@ -123,32 +123,6 @@ def quantized_inputs(root: Path, post: Path, seed: int = 0) -> dict[str, Path]:
     return paths
 
 
-def brute_force_graft(post: Path, donor: Path, fine_tunes, fisher: Path, rho: float, scope: str) -> dict:
-    """The whole flattened model at once: scores, stable sort, top ⌈ρ·D⌉ positive, zeroed."""
-    from fractions import Fraction
-    from math import ceil
-
-    post_w, donor_w = read_model(post), read_model(donor)
-    ft_w = [(read_model(p), w) for p, w in fine_tunes]
-    cache = open_fisher_cache(fisher)
-    names = sorted(post_w)
-    deltas = {n: sum(w * (ft[n].float() - donor_w[n].float()) for ft, w in ft_w) for n in names}
-    scores = {n: cache.diagonal(n) * deltas[n].square() for n in names}
-
-    def top(flat: torch.Tensor) -> torch.Tensor:
-        k = ceil(Fraction(repr(rho)) * flat.numel())
-        chosen = torch.zeros_like(flat, dtype=torch.bool)
-        chosen[torch.sort(flat, descending=True, stable=True).indices[:k]] = True
-        return chosen & (flat > 0)
-
-    if scope == "global":
-        flat_mask = top(torch.cat([scores[n].reshape(-1) for n in names]))
-        masks = dict(zip(names, torch.split(flat_mask, [scores[n].numel() for n in names])))
-    else:
-        masks = {n: top(scores[n].reshape(-1)) for n in names}
-    return {n: post_w[n].float() + deltas[n].masked_fill(masks[n].reshape(deltas[n].shape), 0) for n in names}
-
-
 @pytest.mark.parametrize("scope", ["global", "tensor"])
 def test_diagonal_mask_equals_brute_force_with_ties(tmp_path, tied_models, scope):
     post = tied_models["post"]
@@ -162,7 +136,7 @@ def test_diagonal_mask_equals_brute_force_with_ties(tmp_path, tied_models, scope
     for rho in (0.003, 0.05, 0.3):
         out = merge(tmp_path, graft_yaml(post, inputs["donor"], fine_tunes, rho=rho, fisher=fisher, scope=scope),
                     f"out-{rho}")
-        expected = brute_force_graft(post, inputs["donor"], fine_tunes, fisher, rho, scope)
+        expected = brute_force_graft(post, inputs["donor"], fine_tunes, fisher, rho, scope).expected
         got = read_model(out)
         for name in expected:
             assert torch.equal(got[name], expected[name]), (rho, name)
@@ -172,7 +146,7 @@ def test_global_mask_on_continuous_scores_equals_brute_force(tmp_path, tied_mode
     m = tied_models
     fine_tunes = [(m["donor_ft"], 0.5), (m["donor_ft2"], 1.0)]
     out = merge(tmp_path, graft_yaml(m["post"], m["donor"], fine_tunes, rho=0.01, fisher=tied_diag_cache))
-    expected = brute_force_graft(m["post"], m["donor"], fine_tunes, tied_diag_cache, 0.01, "global")
+    expected = brute_force_graft(m["post"], m["donor"], fine_tunes, tied_diag_cache, 0.01, "global").expected
     got = read_model(out)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name

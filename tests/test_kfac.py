@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import graft_yaml, read_model, run_cli, spd, write_mixed_cache
+from conftest import brute_force_graft, graft_yaml, read_model, run_cli, spd, write_mixed_cache
 
 from graftmerge.fisher import KfacFactors, open_fisher_cache
 from graftmerge.projection import TensorFisher, remove_masked, score_delta
@@ -84,38 +84,6 @@ def test_rho_zero_is_bit_for_bit_and_retention_cost_is_non_increasing():
     assert costs[-1] < 0.05 * costs[0]
 
 
-def brute_force_mixed(post, donor, fine_tunes, fisher_path, rho) -> dict[str, torch.Tensor]:
-    """Whole model at once: every KFAC pair and diagonal coordinate in one stable sort."""
-    post_w, donor_w = read_model(post), read_model(donor)
-    fts = [(read_model(p), w) for p, w in fine_tunes]
-    cache = open_fisher_cache(fisher_path)
-    names = sorted(post_w)
-    delta, rotated, scores = {}, {}, {}
-    for n in names:
-        delta[n] = sum(w * (ft[n].float() - donor_w[n].float()) for ft, w in fts)
-        if cache.representation(n) == "kfac":
-            f = cache.kfac(n)
-            rotated[n] = (delta[n] if f.U is None else f.U.T @ delta[n]) @ f.V
-            scores[n] = rotated[n].square() * f.S[:, None] * f.D[None, :]
-        else:
-            scores[n] = cache.diagonal(n) * delta[n].square()
-    flat = torch.cat([scores[n].reshape(-1) for n in names])
-    chosen = torch.zeros_like(flat, dtype=torch.bool)
-    chosen[torch.sort(flat, descending=True, stable=True).indices[: masked_count(rho, flat.numel())]] = True
-    masks = dict(zip(names, torch.split(chosen & (flat > 0), [scores[n].numel() for n in names])))
-    out = {}
-    for n in names:
-        mask = masks[n].reshape(scores[n].shape)
-        if n in rotated:
-            f = cache.kfac(n)
-            masked_part = torch.where(mask, rotated[n], 0.0) @ f.V.T
-            applied = delta[n] - (masked_part if f.U is None else f.U @ masked_part)
-        else:
-            applied = delta[n].masked_fill(mask, 0)
-        out[n] = post_w[n].float() + applied
-    return out
-
-
 @pytest.mark.parametrize("row_blocks", [False, True], ids=["whole tensors", "row blocks"])
 def test_mixed_cache_global_graft_equals_brute_force(tmp_path, tied_models, row_blocks, monkeypatch):
     m = tied_models
@@ -139,7 +107,7 @@ def test_mixed_cache_global_graft_equals_brute_force(tmp_path, tied_models, row_
         result = run_cli("mergekit-yaml", str(config), str(tmp_path / "out"))
         assert result.returncode == 0, result.stderr[-2000:]
     got = read_model(tmp_path / "out")
-    expected = brute_force_mixed(m["post"], m["donor"], fine_tunes, cache, 0.02)
+    expected = brute_force_graft(m["post"], m["donor"], fine_tunes, cache, 0.02).expected
     post = read_model(m["post"])
     for name in expected:
         # Same masked set ⇒ equal up to matmul rounding; a different set moves whole directions.

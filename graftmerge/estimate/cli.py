@@ -105,3 +105,12 @@ def estimate(
     written = estimate_fisher(settings)
     if written is not None:
         click.echo(f"wrote {written}")
+
+from graftmerge.hub.cli import fisher_pull, fisher_push  # noqa: E402 - Hub commands join the group
+
+fisher.add_command(fisher_push)
+fisher.add_command(fisher_pull)
+
+from graftmerge.fisher.compress_cli import fisher_compress  # noqa: E402 - compress joins the group
+
+fisher.add_command(fisher_compress)

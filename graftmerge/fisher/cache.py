@@ -91,7 +91,7 @@ class FisherCacheWriter:
     def __init__(
         self,
         path: str | os.PathLike,
-        model: str | os.PathLike,
+        model: str | os.PathLike | dict[str, Any],
         *,
         source: str | None = None,
         revision: str | None = None,
@@ -103,14 +103,18 @@ class FisherCacheWriter:
         self.path = Path(path)
         if self.path.exists() and not overwrite:
             raise GraftError(f"{self.path} already exists; pass overwrite=True (or --overwrite) to replace it")
-        checkpoint = Checkpoint(model, label="post model")
-        guessed_source, guessed_revision = _hf_cache_origin(checkpoint.folder)
-        self._model_tensors = checkpoint.fingerprint()
-        self.model_info = {
-            "source": source or guessed_source or str(checkpoint.folder.resolve()),
-            "revision": revision or guessed_revision,
-            "tensors": self._model_tensors,
-        }
+        if isinstance(model, dict):  # another cache's ``model`` record (``fisher compress``)
+            self._model_tensors = model["tensors"]
+            self.model_info = {**model, "source": source or model.get("source"), "revision": revision or model.get("revision")}
+        else:
+            checkpoint = Checkpoint(model, label="post model")
+            guessed_source, guessed_revision = _hf_cache_origin(checkpoint.folder)
+            self._model_tensors = checkpoint.fingerprint()
+            self.model_info = {
+                "source": source or guessed_source or str(checkpoint.folder.resolve()),
+                "revision": revision or guessed_revision,
+                "tensors": self._model_tensors,
+            }
         self.estimator = dict(estimator or {})
         self.counts = dict(counts or {})
         self._overwrite = overwrite
@@ -190,7 +194,13 @@ class FisherCacheWriter:
         V: torch.Tensor | None,
         D: torch.Tensor,
     ) -> None:
-        """Eigenbases computed elsewhere: columns of U/V are eigenvectors; None = identity."""
+        """Eigenbases computed elsewhere: columns of U/V are eigenvectors; None = identity.
+
+        A truncated side keeps only its leading eigenvectors: U is ``size × r`` with
+        ``r < size`` and its columns go with the first r entries of S (S still lists all
+        ``size`` eigenvalues; the rest belong to the dropped vectors). Only the kept
+        pairs are then scored and masked (``graftmerge fisher compress``).
+        """
         shape = self._check_kfac_shape(name, S, D)
         row_side = self._add_eigen_side(U, S, "rows", shape[0], name, "U/S")
         column_side = self._add_eigen_side(V, D, "columns", shape[1], name, "V/D")
@@ -230,9 +240,10 @@ class FisherCacheWriter:
         hasher = hashlib.sha256(values.numpy().tobytes())
         if vectors is not None:
             vectors = vectors.detach().to("cpu", torch.float64)
-            if tuple(vectors.shape) != (size, values.shape[0]):
+            if vectors.ndim != 2 or vectors.shape[0] != size or not 1 <= vectors.shape[1] <= values.shape[0]:
                 raise GraftError(
-                    f"KFAC eigenvectors {label} for {name!r} have shape {tuple(vectors.shape)}, need ({size}, {values.shape[0]})"
+                    f"KFAC eigenvectors {label} for {name!r} have shape {tuple(vectors.shape)}, "
+                    f"need ({size}, r) with 1 ≤ r ≤ {values.shape[0]} (r < {size}: leading eigenvectors only)"
                 )
             hasher.update(vectors.contiguous().numpy().tobytes())
 
@@ -258,6 +269,8 @@ class FisherCacheWriter:
             if vectors is not None:
                 self._store(f"{key}/eigenvectors", vectors.to(torch.float32).contiguous())
                 record["eigenvectors"] = f"{key}/eigenvectors"
+                if vectors.shape[1] < values.shape[0]:  # truncated: leading eigenvectors only
+                    record["rank"] = int(vectors.shape[1])
             self._factors[key] = record
             self._factor_by_digest[digest] = key
         return self._factor_by_digest[digest]
@@ -440,19 +453,33 @@ class FisherCache:
         return KfacFactors(U=U, S=S, V=V, D=D)
 
     def _side(self, key: str, name: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+        vectors, values = self.side_spectrum(key, name)
+        return vectors, values[: side_rank(self._factors[key])]
+
+    def side_spectrum(self, key: str, name: str = "") -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One factor side as stored: eigenvectors (``size × rank``, None if diagonal), all eigenvalues."""
         record = self._factors[key]
         values = self._read(record["eigenvalues"])
         _check_values(values, f"Fisher cache {self.path}: eigenvalues of {key} ({name!r})")
         vectors = self._read(record["eigenvectors"]) if "eigenvectors" in record else None
         if vectors is not None:
+            if tuple(vectors.shape) != (record["size"], side_rank(record)) or values.shape != (record["size"],):
+                raise GraftError(
+                    f"Fisher cache {self.path}: factor {key} ({name!r}) has eigenvectors {tuple(vectors.shape)} and "
+                    f"{values.shape[0]} eigenvalues; its manifest says size {record['size']}, rank {side_rank(record)}"
+                )
             probe_orthonormal(vectors, f"Fisher cache {self.path}: eigenvectors of {key} ({name!r})")
         return vectors, values
 
-    def check_fits(self, checkpoint: Checkpoint) -> None:
-        """Refuse a cache made for another model (names or shapes differ)."""
+    def check_fits(self, checkpoint: Checkpoint, partial: bool = False) -> None:
+        """Refuse a cache made for another model (names or shapes differ).
+
+        ``partial``: ``checkpoint`` may hold a subset of the cache's model (in-memory
+        merges see only floating tensors); every tensor it does hold must fit.
+        """
         cached = self.model_tensors
         actual = checkpoint.fingerprint()
-        only_cache = sorted(set(cached) - set(actual))
+        only_cache = [] if partial else sorted(set(cached) - set(actual))
         only_model = sorted(n for n in set(actual) - set(cached))
         if only_cache or only_model:
             detail = (
@@ -470,7 +497,7 @@ class FisherCache:
                     f"{tuple(cached[name]['shape'])} in the cache, {tuple(info['shape'])} in {checkpoint.label}"
                 )
         for name in self.entries:
-            if name not in actual:
+            if name not in actual and not partial:
                 raise GraftError(f"Fisher cache {self.path} has an entry for unknown tensor {name!r}")
 
     def file_stamps(self) -> list[tuple[str, int, int]]:
@@ -479,6 +506,11 @@ class FisherCache:
             stat = (self.path / file).stat()
             stamps.append((str((self.path / file).resolve()), stat.st_size, stat.st_mtime_ns))
         return stamps
+
+
+def side_rank(record: dict[str, Any]) -> int:
+    """Eigenvectors a factor side keeps: its ``rank`` when truncated, else its full ``size``."""
+    return int(record.get("rank", record["size"]))
 
 
 def open_fisher_cache(path: str | os.PathLike) -> FisherCache:

@@ -1,0 +1,103 @@
+"""``graftmerge delta ...``: thin click wrappers over :mod:`graftmerge.delta`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from graftmerge.cli import report_errors
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def delta() -> None:
+    """Grafts as files: a delta Δ = weight·(θft − θdonor), like a LoRA adapter but full-rank.
+
+    \b
+    graftmerge delta extract ./base ./base-ft -o deltas/math    write Δ once
+    graftmerge delta stats deltas/math --fisher fisher/post-diag --plot math.png
+
+    \b
+    Graft it onto a post-trained model (no donor or donor_ft needed):
+      models:
+        - model: ./deltas/math
+          parameters: {role: delta, weight: 0.5}
+    """
+
+
+@delta.command("extract")
+@click.argument("donor", type=click.Path(path_type=Path))
+@click.argument("donor_ft", type=click.Path(path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+              help="Delta folder to create (must not exist).")
+@click.option("--weight", default=1.0, show_default=True, type=float,
+              help="Scale baked into Δ. Keep 1 and set `weight:` in the graft config instead: "
+                   "then a float32 delta grafts bit-identically to donor + donor_ft.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
+              help="Stored precision of Δ; bfloat16 halves the size and rounds Δ.")
+@click.option("--shard-size", default="2GB", show_default=True, metavar="SIZE",
+              help="Largest shard file, e.g. 500MB, 2GB, 1GiB.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
+@report_errors
+def extract(donor: Path, donor_ft: Path, output: Path, weight: float, dtype: str, shard_size: str,
+            quiet: bool, verbose: bool) -> None:
+    """Write Δ = WEIGHT·(DONOR_FT − DONOR) to OUTPUT, one tensor at a time.
+
+    OUTPUT gets sharded safetensors keyed by the model's parameter names, an
+    index, the donor's config.json (so mergekit loads it as a model) and
+    delta_manifest.json: both sources' fingerprints (tensor names, shapes,
+    dtypes and a sampled content digest), the weight and the dtype. A graft
+    that also names a `role: donor` checks the delta was made from it.
+    The folder appears only when complete.
+    """
+    from graftmerge.delta.extract import extract_delta
+
+    path = extract_delta(donor, donor_ft, output, weight=weight, dtype=dtype, shard_bytes=shard_size,
+                         progress=not quiet)
+    click.echo(f"wrote delta {path}")
+
+
+@delta.command("stats")
+@click.argument("delta_folder", metavar="DELTA", type=click.Path(path_type=Path))
+@click.option("--fisher", type=click.Path(path_type=Path),
+              help="Fisher cache of the post model: adds the Fisher-weighted columns.")
+@click.option("--top", default=0.01, show_default=True, type=float,
+              help="Fraction of coordinates counted as most sensitive (largest Fisher values).")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Save a PNG plot here.")
+@click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Save every number as JSON here.")
+@click.option("--blocks-only", is_flag=True, help="Print per-block rows only (not every tensor).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
+@report_errors
+def stats(delta_folder: Path, fisher: Path | None, top: float, plot: Path | None, json_file: Path | None,
+          blocks_only: bool, quiet: bool, verbose: bool) -> None:
+    """Where DELTA writes: L2 norms per tensor and per block; with --fisher, how sensitive.
+
+    \b
+    Columns, per tensor and per transformer block:
+      L2 norm              ‖Δ‖₂ (blocks: norms combined in quadrature)
+      F·Δ²                 Fisher-weighted size Σ_j F_j Δ_j²
+      in own top 1%        share of F·Δ² on the tensor's own 1% of coordinates with the largest F
+      in model top 1%      share of F·Δ² on the whole model's 1% of coordinates with the largest F
+    The whole-delta "model top" share is the paper's Fig. 8 (right): how much of
+    an update lands on the post model's most sensitive coordinates. A weight
+    with only KFAC factors uses the diagonal of its KFAC Fisher, diag(P) diag(Q)ᵀ.
+    """
+    from graftmerge.delta.stats import compute_stats, format_table, plot_stats
+
+    result = compute_stats(delta_folder, fisher, top=top, progress=not quiet)
+    click.echo(format_table(result, tensors=not blocks_only))
+    if plot is not None:
+        click.echo(f"wrote plot {plot_stats(result, plot)}")
+    if json_file is not None:
+        json_file.write_text(json.dumps(result.to_json(), indent=1))
+        click.echo(f"wrote {json_file}")
+
+
+from graftmerge.hub.cli import delta_pull, delta_push  # noqa: E402 - Hub commands join the group
+
+delta.add_command(delta_push)
+delta.add_command(delta_pull)

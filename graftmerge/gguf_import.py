@@ -1,0 +1,256 @@
+"""Turn a GGUF causal LM (a llama.cpp-style file) into an ordinary Hugging Face model folder.
+
+graft, mergekit and the Fisher estimator read config.json + safetensors; many
+post-trained models are passed around as GGUF. transformers can already read and
+dequantize GGUF; this module adds what a tool needs around it: every check that can
+fail is made from the file's header, before the slow dequantization, and reported as
+one line naming the file; the folder appears only when complete (written into a hidden
+sibling, renamed on success); the input file is only ever opened read-only.
+
+Dequantization is lossless in the sense that matters here: the folder holds exactly the
+values a quantized model computes with (in float32 by default), not the pre-quantization
+weights, which the GGUF no longer contains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graftmerge.errors import GraftError
+
+GGUF_MAGIC = b"GGUF"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class GgufHeader:
+    """What the import needs to know about a GGUF before reading any tensor data."""
+
+    path: Path
+    architecture: str
+    tensor_types: dict[str, str]  # ggml type name -> the first tensor stored in it
+    has_tokenizer: bool
+
+
+def read_gguf_header(file: str | os.PathLike) -> GgufHeader:
+    """The file's architecture, tensor types and tokenizer presence; GraftError if it is no GGUF."""
+    path = Path(file)
+    if not path.exists():
+        raise GraftError(f"{path} does not exist")
+    if not path.is_file():
+        raise GraftError(f"{path} is not a file (expected a .gguf file)")
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != GGUF_MAGIC:
+        raise GraftError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path, "r")  # read-only memory map
+    except Exception as error:  # gguf-py raises ValueError, struct.error, IndexError ... on corrupt files
+        raise GraftError(f"{path} is not a readable GGUF file ({_first_line(error)})") from error
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise GraftError(f"{path} has no general.architecture in its metadata; cannot tell what model it is")
+    architecture = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    types: dict[str, str] = {}
+    for tensor in reader.tensors:
+        types.setdefault(tensor.tensor_type.name, tensor.name)
+    return GgufHeader(path, architecture, types, "tokenizer.ggml.model" in reader.fields)
+
+
+def causal_lm_config(header: GgufHeader):
+    """transformers' config for the GGUF; GraftError unless transformers maps it to a causal LM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = header.path
+    try:
+        with _quiet_transformers():
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError, OSError, NotImplementedError) as error:
+        raise GraftError(
+            f"{path}: GGUF architecture {header.architecture!r} is not one transformers can load "
+            f"as a causal language model ({_first_line(error)})"
+        ) from error
+    architectures = getattr(config, "architectures", None) or []
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or any(
+        not name.endswith("ForCausalLM") for name in architectures
+    ):
+        raise GraftError(
+            f"{path}: GGUF architecture {header.architecture!r} is not a causal language model "
+            f"(transformers reads it as {config.model_type!r}"
+            + (f", {architectures[0]}" if architectures else "")
+            + "); graftmerge imports decoder-only LMs"
+        )
+    return config
+
+
+def check_dequantizable(header: GgufHeader) -> None:
+    """GraftError naming the first tensor type transformers cannot dequantize for this architecture.
+
+    Asks the dequantizer transformers will actually use (its own for the architectures
+    it packs natively, gguf-py's for the others) to unpack one block of each type.
+    """
+    refused = [(name, tensor) for name, tensor in header.tensor_types.items()
+               if not _can_dequantize(header.architecture, name)]
+    if refused:
+        name, tensor = refused[0]
+        readable = sorted(set(header.tensor_types) - {n for n, _ in refused})
+        raise GraftError(
+            f"{header.path}: transformers cannot dequantize ggml type {name} (tensor {tensor!r}"
+            + (f", and {len(refused) - 1} other type(s)" if len(refused) > 1 else "")
+            + "); re-quantize the model to a type it reads, e.g. Q8_0 or F16"
+            + (f" (this file's other types: {', '.join(readable)})" if readable else "")
+        )
+
+
+def _can_dequantize(architecture: str, type_name: str) -> bool:
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType[type_name]
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        return True
+    _, block_bytes = GGML_QUANT_SIZES[qtype]
+    block = np.zeros((1, block_bytes), dtype=np.uint8)
+    try:
+        from transformers.integrations.gguf.utils import is_gguf_arch_supported
+
+        native = is_gguf_arch_supported(architecture)
+    except ImportError:  # transformers without its own GGUF path: gguf-py dequantizes everything
+        native = False
+    try:
+        if native:
+            from transformers.integrations.gguf.dequant import dequantize
+
+            dequantize(torch.from_numpy(block).reshape(-1), int(qtype))
+        else:
+            from gguf.quants import dequantize
+
+            dequantize(block, qtype)
+    except (NotImplementedError, ValueError, KeyError):
+        return False
+    return True
+
+
+def import_gguf(
+    file: str | os.PathLike,
+    output: str | os.PathLike,
+    dtype: str = "float32",
+    *,
+    overwrite: bool = False,
+    max_shard_size: str = "500MB",
+) -> Path:
+    """Dequantize a GGUF causal LM into ``output`` (config, safetensors shards, tokenizer); returns it.
+
+    ``dtype`` is what the weights are stored in: float32 keeps the dequantized values
+    exactly; bfloat16/float16 round them (half the disk, and what most merges use).
+    """
+    if dtype not in DTYPES:
+        raise GraftError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    header = read_gguf_header(file)
+    out = Path(output)
+    if out.exists() and not overwrite:
+        raise GraftError(f"{out} already exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise GraftError(f"{out} exists and is not a folder; remove it or choose another output")
+    if out.resolve() in header.path.resolve().parents:
+        raise GraftError(f"{out} holds the input {header.path}; choose an output folder outside it")
+    causal_lm_config(header)
+    check_dequantizable(header)
+    model = _load_model(header, DTYPES[dtype])
+    tokenizer = _load_tokenizer(header) if header.has_tokenizer else None
+    try:
+        with staged_folder(out) as staging:
+            model.save_pretrained(staging, max_shard_size=max_shard_size)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+    except OSError as error:
+        raise GraftError(f"cannot write {out}: {_first_line(error)}") from error
+    return out
+
+
+def _load_model(header: GgufHeader, dtype: torch.dtype):
+    """The dense model (every weight dequantized), with the GGUF quantizer detached so it saves."""
+    from transformers import AutoModelForCausalLM
+
+    try:  # transformers ≥ 5.2x can keep GGUF blocks packed; ask for plain tensors
+        from transformers import GgufConfig
+
+        unpacked = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:  # older versions always dequantize
+        unpacked = {}
+    path = header.path
+    try:
+        with _quiet_transformers():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=dtype, output_loading_info=True, **unpacked
+            )
+    except (ValueError, NotImplementedError, KeyError, RuntimeError, OSError) as error:
+        raise GraftError(f"cannot import {path}: {_first_line(error)}") from error
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = sorted(str(k) for k in info.get("mismatched_keys") or [])
+    if missing or mismatched:
+        problem = (f"it lacks {len(missing)} weight(s) the model needs (e.g. {missing[:3]})" if missing
+                   else f"{len(mismatched)} weight(s) have the wrong shape (e.g. {mismatched[:3]})")
+        raise GraftError(f"cannot import {path}: {problem}")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    return model.eval()
+
+
+def _load_tokenizer(header: GgufHeader) -> Any:
+    from transformers import AutoTokenizer
+
+    path = header.path
+    try:
+        with _quiet_transformers():
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError, OSError, NotImplementedError) as error:
+        raise GraftError(f"cannot import the tokenizer of {path}: {_first_line(error)}") from error
+
+
+@contextlib.contextmanager
+def staged_folder(out: Path) -> Iterator[Path]:
+    """A hidden sibling of ``out`` to write into; it replaces ``out`` only if the block succeeds."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=f".{out.name}.import-", dir=out.parent))
+    staging = root / out.name
+    staging.mkdir()
+    try:
+        yield staging
+        if out.exists():  # --overwrite: move the old folder aside first, so out is never half-written
+            os.replace(out, root / "replaced")
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers logs GGUF parsing details at warning level; they are not the user's concern."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

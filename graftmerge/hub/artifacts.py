@@ -1,0 +1,482 @@
+"""Push and pull a graftmerge artifact folder (a manifest plus data files) as one Hub model repo.
+
+Generic over the artifact kind (:class:`ArtifactKind`: manifest file name, how to open a
+local folder, which files a manifest names, how to pick some layers, the model card);
+:mod:`graftmerge.hub.kinds` defines the Fisher cache and the delta.
+
+Push resumes by asking the Hub, not a local journal: every data file is its own commit,
+and a re-run lists the repo (size, LFS sha256 or git blob id per file) and uploads only
+files that differ. The manifest and the card are committed last, so the repo reads as a
+complete artifact only once every data file is there.
+
+Pull goes through the Hugging Face cache (``HF_HUB_CACHE``), which makes a re-run skip
+every file already fetched and lets ``org/name@rev`` resolve offline later. The manifest
+is read first (over the network, into memory) to decide which files to fetch; it is
+written into the cache only after them, so a snapshot with a manifest is complete.
+``-o DIR`` then assembles DIR from the cache (hard links when possible) in a hidden
+sibling folder, manifest last, renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from graftmerge.errors import GraftError
+from graftmerge.hub.references import HubReference, hub_reference_or_none, parse_hub_reference
+
+COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+KEPT_REMOTE_FILES = (".gitattributes", "README.md")
+
+
+class HubArtifactNotFound(GraftError):
+    """The Hub has no such repo, or (offline) the local cache has no copy: maybe a local path was meant."""
+
+
+def files_map_values(manifest: Mapping[str, Any], read: Callable[[str], bytes]) -> list[str]:
+    """Data files of a manifest with a ``files`` map (tensor key → file), as Fisher caches have."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise GraftError("the manifest has no `files` map")
+    return sorted(set(files.values()))
+
+
+@dataclass(frozen=True)
+class ArtifactKind:
+    """What push/pull need to know about one kind of graftmerge artifact."""
+
+    name: str  # the CLI group: `graftmerge <name> pull`
+    label: str  # in messages: "Fisher cache"
+    manifest_name: str
+    format_name: str  # the manifest's "format" field
+    render_card: Callable[[Mapping[str, Any], str, str | None, Mapping[str, int]], str]
+    # Data files named by a manifest; ``read(name)`` gives a small file of the artifact
+    # (an index) from wherever it is being read: the local folder, or the Hub.
+    list_files: Callable[[Mapping[str, Any], Callable[[str], bytes]], list[str]] = files_map_values
+    open_folder: Callable[[Path], Mapping[str, Any]] | None = None  # full local check; default: generic
+    select_layers: Callable[[Mapping[str, Any], Sequence[str]], dict[str, Any]] | None = None
+
+    def data_files(self, manifest: Mapping[str, Any], read: Callable[[str], bytes], where: str) -> list[str]:
+        try:
+            files = self.list_files(manifest, read)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise GraftError(f"{where}: {self.manifest_name} does not name its files ({error})") from error
+        unsafe = [f for f in files if not _safe_relative(f)]
+        if unsafe:
+            raise GraftError(f"{where}: {self.manifest_name} names files outside the folder ({unsafe[0]!r})")
+        return files
+
+    def check_manifest(self, manifest: Any, where: str) -> dict[str, Any]:
+        if not isinstance(manifest, dict) or manifest.get("format") != self.format_name:
+            found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+            raise GraftError(
+                f"{where} is not a graftmerge {self.label} ({self.manifest_name} has format {found!r}, "
+                f"not {self.format_name!r})"
+            )
+        return manifest
+
+    def open_local(self, folder: Path) -> tuple[dict[str, Any], list[str]]:
+        """(manifest, data files) of a complete local artifact folder; GraftError if it is not one."""
+        if not folder.is_dir():
+            raise GraftError(f"{folder} is not a folder")
+        manifest_file = folder / self.manifest_name
+        if not manifest_file.is_file():
+            raise GraftError(f"{folder} is not a graftmerge {self.label} (no {self.manifest_name})")
+        if self.open_folder is not None:
+            manifest = dict(self.open_folder(folder))
+        else:
+            manifest = self.check_manifest(_parse_json(manifest_file.read_bytes(), str(manifest_file)), str(folder))
+        files = self.data_files(manifest, lambda name: (folder / name).read_bytes(), str(folder))
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise GraftError(f"{self.label} {folder} is missing file(s) {', '.join(missing[:5])}")
+        return manifest, files
+
+
+def _safe_relative(name: str) -> bool:
+    """A file name from a downloaded manifest must stay inside the artifact folder."""
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and ".." not in parts and "\\" not in name
+
+
+def _parse_json(raw: bytes, where: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise GraftError(f"{where}: corrupt manifest ({error})") from error
+
+
+# -- hashing: what the Hub reports per file -----------------------------------------
+
+
+def git_blob_id(data: bytes) -> str:
+    """The git object id the Hub reports for a regular (non-LFS) file."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def same_as_remote(remote: Any, local: Path | bytes) -> bool:
+    """Whether a remote ``RepoFile`` holds exactly ``local`` (a file, or bytes): size, then content id."""
+    size = len(local) if isinstance(local, bytes) else local.stat().st_size
+    if remote is None or remote.size != size:
+        return False
+    if remote.lfs is not None:
+        sha256 = hashlib.sha256(local).hexdigest() if isinstance(local, bytes) else file_sha256(local)
+        return remote.lfs.sha256 == sha256
+    data = local if isinstance(local, bytes) else local.read_bytes()
+    return remote.blob_id == git_blob_id(data)
+
+
+# -- errors ---------------------------------------------------------------------------
+
+
+@contextmanager
+def hub_errors(kind: ArtifactKind, reference: HubReference, action: str) -> Iterator[None]:
+    """huggingface_hub's exceptions as one-line GraftErrors that say what to do."""
+    import httpx2
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
+    except GatedRepoError as error:
+        raise GraftError(f"{reference.repo_id} is gated: accept its terms on the Hub, then pass --token or log in (`hf auth login`)") from error
+    except RepositoryNotFoundError as error:
+        raise HubArtifactNotFound(
+            f"no Hub repo {reference.repo_id} (or it is private: pass --token or log in with `hf auth login`)"
+        ) from error
+    except RevisionNotFoundError as error:
+        raise GraftError(f"revision {reference.revision_or_main!r} does not exist in Hub repo {reference.repo_id}") from error
+    except RemoteEntryNotFoundError as error:
+        response = getattr(error, "response", None)
+        missing = str(response.url).rsplit("/", 1)[-1] if response is not None else kind.manifest_name
+        raise GraftError(f"{reference} is not a graftmerge {kind.label} (the repo has no {missing})") from error
+    except OfflineModeIsEnabled as error:
+        raise HubArtifactNotFound(
+            f"cannot {action} {reference}: the Hub is offline (HF_HUB_OFFLINE=1) and it is not in the local "
+            f"Hugging Face cache; run `graftmerge {kind.name} pull {reference}` where the Hub is reachable"
+        ) from error
+    except (httpx2.ConnectError, httpx2.TimeoutException, httpx2.RemoteProtocolError, LocalEntryNotFoundError) as error:
+        raise GraftError(
+            f"cannot {action} {reference}: the Hub did not answer ({type(error).__name__}); "
+            "run the same command again, it resumes where it stopped"
+        ) from error
+    except HfHubHTTPError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise GraftError(f"cannot {action} {reference}: {first}; run the same command again to resume") from error
+
+
+# -- push -----------------------------------------------------------------------------
+
+
+@dataclass
+class PushResult:
+    repo_id: str
+    revision: str
+    uploaded: list[str] = field(default_factory=list)  # data files, manifest and card, in commit order
+    unchanged: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    commits: int = 0
+
+
+def push_artifact(
+    kind: ArtifactKind,
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    token: str | None = None,
+    api: Any = None,
+    progress: bool = True,
+) -> PushResult:
+    """Upload ``folder`` to model repo ``repo_id`` (branch ``revision``); re-run to resume.
+
+    Only files whose size and content id differ from the remote are uploaded, one commit
+    each; a remote manifest that no longer matches is deleted first, and the manifest
+    and card go in the last commit, so the repo never reads as a complete but mixed
+    artifact. Stale ``*.safetensors`` of an earlier push are deleted in that commit.
+    """
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, RepoFile
+
+    folder = Path(folder)
+    target = parse_hub_reference(repo_id)
+    if target.revision is not None:
+        raise GraftError(f"push to {target.repo_id} with --revision {target.revision}, not {repo_id!r}")
+    manifest, files = kind.open_local(folder)
+    sizes = {name: (folder / name).stat().st_size for name in files}
+    manifest_bytes = (folder / kind.manifest_name).read_bytes()
+    branch = revision or "main"
+    card = kind.render_card(manifest, target.repo_id, branch, sizes).encode()
+    api = api if api is not None else HfApi(token=token)
+    result = PushResult(target.repo_id, branch)
+    reference = HubReference(target.repo_id, branch)
+
+    def commit(operations: list, message: str) -> None:
+        api.create_commit(target.repo_id, operations, commit_message=message, revision=branch)
+        result.commits += 1
+
+    with hub_errors(kind, reference, "push to"):
+        api.create_repo(target.repo_id, private=True if private else None, exist_ok=True)
+        if branch != "main":
+            api.create_branch(target.repo_id, branch=branch, exist_ok=True)
+        remote = {
+            entry.path: entry
+            for entry in api.list_repo_tree(target.repo_id, recursive=True, revision=branch)
+            if isinstance(entry, RepoFile)
+        }
+        to_upload = [name for name in files if not same_as_remote(remote.get(name), folder / name)]
+        result.unchanged = [name for name in files if name not in to_upload]
+        stale = sorted(p for p in remote if p.endswith(".safetensors") and p not in sizes)
+        manifest_current = same_as_remote(remote.get(kind.manifest_name), manifest_bytes)
+        if kind.manifest_name in remote and not manifest_current and (to_upload or stale):
+            commit([CommitOperationDelete(kind.manifest_name)], f"graftmerge: {kind.label} is being replaced")
+            result.deleted.append(kind.manifest_name)
+        bar = tqdm(total=sum(sizes[n] for n in to_upload), unit="B", unit_scale=True,
+                   desc=f"push {kind.name}", disable=not progress)
+        for index, name in enumerate(to_upload, 1):
+            commit([CommitOperationAdd(name, str(folder / name))],
+                   f"graftmerge: {kind.label} file {name} ({index}/{len(to_upload)})")
+            result.uploaded.append(name)
+            bar.update(sizes[name])
+        bar.close()
+        final: list = []
+        if not manifest_current:
+            final.append(CommitOperationAdd(kind.manifest_name, manifest_bytes))
+        if not same_as_remote(remote.get("README.md"), card):
+            final.append(CommitOperationAdd("README.md", card))
+        final += [CommitOperationDelete(path) for path in stale]
+        if final:
+            commit(final, f"graftmerge: {kind.label} manifest and model card")
+            result.uploaded += [op.path_in_repo for op in final if isinstance(op, CommitOperationAdd)]
+            result.deleted += stale
+        else:
+            result.unchanged += [kind.manifest_name, "README.md"]
+    return result
+
+
+# -- pull -----------------------------------------------------------------------------
+
+
+@dataclass
+class PullResult:
+    folder: Path  # the artifact to use: the cache snapshot, or the assembled output folder
+    commit: str
+    files: list[str]  # data files of the pulled artifact
+    fetched: list[str]  # of those, downloaded by this call (the rest were cached)
+
+
+def _storage_folder(cache_dir: Path, repo_id: str) -> Path:
+    return cache_dir / ("models--" + repo_id.replace("/", "--"))
+
+
+def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
+    from huggingface_hub import constants
+
+    return Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE).expanduser()
+
+
+def _write_ref(storage: Path, revision: str, commit: str) -> None:
+    """refs/<revision> → commit, as the cache layout has it: how `org/name@branch` resolves offline."""
+    ref = storage / "refs" / revision
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    if ref.is_file() and ref.read_text() == commit:
+        return
+    temporary = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+    temporary.write_text(commit)
+    os.replace(temporary, ref)
+
+
+def _cached_commit(kind: ArtifactKind, reference: HubReference, cache_dir: Path) -> str | None:
+    """The commit of a complete cached copy (its manifest is there), or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(reference.repo_id, kind.manifest_name, cache_dir=str(cache_dir),
+                                   revision=reference.revision_or_main)
+    return Path(found).parent.name if isinstance(found, str) else None
+
+
+def _remote_manifest(
+    kind: ArtifactKind, reference: HubReference, cache_dir: Path, token: str | None
+) -> tuple[str, bytes] | None:
+    """(commit, manifest bytes) from the Hub; None when the Hub cannot be reached."""
+    import httpx2
+    from huggingface_hub import constants, get_hf_file_metadata, get_session, hf_hub_url
+    from huggingface_hub.errors import OfflineModeIsEnabled
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+
+    if constants.is_offline_mode():
+        return None
+    url = hf_hub_url(reference.repo_id, kind.manifest_name, revision=reference.revision_or_main)
+    try:
+        metadata = get_hf_file_metadata(url, token=token)
+    except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled):
+        return None
+    commit = metadata.commit_hash
+    if commit is None or not COMMIT_SHA.match(commit):
+        raise GraftError(f"{reference}: the Hub did not say which commit it serves; check HF_ENDPOINT")
+    cached = _storage_folder(cache_dir, reference.repo_id) / "snapshots" / commit / kind.manifest_name
+    if cached.is_file():
+        return commit, cached.read_bytes()
+    response = get_session().get(hf_hub_url(reference.repo_id, kind.manifest_name, revision=commit),
+                                 headers=build_hf_headers(token=token))
+    hf_raise_for_status(response)
+    return commit, response.content
+
+
+def pull_artifact(
+    kind: ArtifactKind,
+    reference: HubReference | str,
+    *,
+    output: str | os.PathLike | None = None,
+    layers: Sequence[str] = (),
+    token: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> PullResult:
+    """Fetch ``reference`` into the Hugging Face cache (and assemble ``output`` from it).
+
+    ``layers``: globs on parameter names; only files holding those weights' tensors are
+    fetched and ``output`` (required then) gets a manifest listing just them. Offline,
+    or when the Hub does not answer, a complete cached copy is used as it is.
+    """
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    if isinstance(reference, str):
+        reference = parse_hub_reference(reference)
+    if layers and output is None:
+        raise GraftError(f"--layers makes a partial {kind.label}, which needs its own folder: add -o {kind.name}/NAME")
+    if layers and kind.select_layers is None:
+        raise GraftError(f"a {kind.label} cannot be pulled by layers")
+    if output is not None and Path(output).exists() and not overwrite:
+        raise GraftError(f"{output} already exists; pass --overwrite to replace it")
+    cache = _cache_dir(cache_dir)
+    storage = _storage_folder(cache, reference.repo_id)
+    with hub_errors(kind, reference, "pull"):
+        found = _remote_manifest(kind, reference, cache, token)
+        online = found is not None
+        if found is None:
+            commit = _cached_commit(kind, reference, cache)
+            if commit is None:
+                raise HubArtifactNotFound(
+                    f"{reference} is not in the local Hugging Face cache ({cache}) and the Hub cannot be reached "
+                    f"(HF_HUB_OFFLINE=1 or no network); run `graftmerge {kind.name} pull {reference}` where it is reachable"
+                )
+            raw = (storage / "snapshots" / commit / kind.manifest_name).read_bytes()
+        else:
+            commit, raw = found
+        where = f"{reference.repo_id}@{commit[:12]}"
+        snapshot = storage / "snapshots" / commit
+        manifest = kind.check_manifest(_parse_json(raw, f"{where}/{kind.manifest_name}"), where)
+        if layers:
+            manifest = kind.select_layers(manifest, layers)
+            manifest["pulled"] = {"from": f"{reference.repo_id}@{commit}", "layers": list(layers)}
+        fetched: list[str] = []
+
+        def fetch(name: str) -> Path:
+            """One file of the snapshot: from the cache, else from the Hub (never offline)."""
+            if isinstance(try_to_load_from_cache(reference.repo_id, name, cache_dir=str(cache), revision=commit), str):
+                return snapshot / name
+            if not online:
+                raise HubArtifactNotFound(
+                    f"{reference} is only partly in the local Hugging Face cache ({name} is missing) and the Hub "
+                    f"cannot be reached; run `graftmerge {kind.name} pull {reference}` where it is reachable"
+                )
+            hf_hub_download(reference.repo_id, name, revision=commit, cache_dir=str(cache), token=token)
+            fetched.append(name)
+            return snapshot / name
+
+        files = kind.data_files(manifest, lambda name: fetch(name).read_bytes(), where)
+        for name in tqdm(files, desc=f"pull {kind.name}", unit="file", disable=not progress or not files):
+            fetch(name)
+        snapshot = storage / "snapshots" / commit
+        if online and not (snapshot / kind.manifest_name).is_file():
+            # Last: from now on the snapshot reads as complete.
+            hf_hub_download(reference.repo_id, kind.manifest_name, revision=commit, cache_dir=str(cache), token=token)
+        if online and reference.revision_or_main != commit:
+            _write_ref(storage, reference.revision_or_main, commit)
+    folder = snapshot
+    if output is not None:
+        data = raw if not layers else json.dumps(manifest, indent=1, sort_keys=True).encode()
+        folder = assemble_folder(Path(output), snapshot, files, kind.manifest_name, data, overwrite=overwrite)
+    return PullResult(folder=folder, commit=commit, files=files, fetched=fetched)
+
+
+def assemble_folder(output: Path, snapshot: Path, files: Sequence[str], manifest_name: str,
+                    manifest: bytes, *, overwrite: bool = False) -> Path:
+    """Build ``output`` from cached files in a hidden sibling, manifest last, then rename it in."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        for name in files:
+            source, target = (snapshot / name).resolve(), staging / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source, target)  # no second copy of a large blob
+            except OSError:
+                shutil.copyfile(source, target)
+        (staging / (manifest_name + ".tmp")).write_bytes(manifest)
+        os.replace(staging / (manifest_name + ".tmp"), staging / manifest_name)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp made it private
+        if output.exists():
+            if not overwrite:
+                raise GraftError(f"{output} already exists; pass --overwrite to replace it")
+            old = output.with_name(f".{output.name}.old-{os.getpid()}")
+            os.replace(output, old)
+            os.replace(staging, output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+# -- resolution for configs -------------------------------------------------------------
+
+
+def resolve_artifact(kind: ArtifactKind, text: str, *, cache_dir: str | os.PathLike | None = None,
+                     token: str | None = None, progress: bool = True) -> str:
+    """A local folder for ``text``: itself when it is (or is written as) a local path, else its Hub copy.
+
+    The Hub copy comes from the Hugging Face cache, fetched first when the Hub is
+    reachable and the cache lacks it; offline, only a complete cached copy is used.
+    """
+    reference = hub_reference_or_none(text)
+    if reference is None:
+        return text
+    try:
+        return str(pull_artifact(kind, reference, token=token, cache_dir=cache_dir, progress=progress).folder)
+    except HubArtifactNotFound as error:
+        if text.startswith("hf://"):
+            raise
+        raise HubArtifactNotFound(f"{kind.label} {text}: not a local folder, and {error} (write a local folder as ./{text})") from error

@@ -1,0 +1,110 @@
+"""The artifact kinds graftmerge shares on the Hub: Fisher caches, and deltas.
+
+A kind is a manifest file name, a local check, a model card and (optionally) a way to
+keep only some layers; everything else (resume, partial fetch, offline) is generic in
+:mod:`graftmerge.hub.artifacts`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Mapping, Sequence
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from graftmerge.errors import GraftError
+from graftmerge.hub.artifacts import ArtifactKind
+from graftmerge.hub.cards import render_delta_card, render_fisher_card
+
+FISHER_MANIFEST = "fisher_manifest.json"
+DELTA_MANIFEST = "delta_manifest.json"
+
+
+def _open_fisher_folder(folder: Path) -> Mapping[str, Any]:
+    """Every check a merge makes on open (format, version, shards present)."""
+    from graftmerge.fisher.cache import open_fisher_cache
+
+    return open_fisher_cache(folder).manifest
+
+
+def select_fisher_layers(manifest: Mapping[str, Any], patterns: Sequence[str]) -> dict[str, Any]:
+    """The manifest of a cache holding only the weights matching ``patterns`` (fnmatch globs).
+
+    Keeps each chosen weight's diagonal tensor and both KFAC sides, including a side
+    stored under another weight's key (shared q/k/v inputs); ``model.tensors`` stays
+    whole, so the smaller cache still fits (and is checked against) the same post model.
+    """
+    entries: Mapping[str, Mapping[str, Any]] = manifest["entries"]
+    unmatched = [p for p in patterns if not any(fnmatchcase(name, p) for name in entries)]
+    if unmatched:
+        examples = ", ".join(sorted(entries)[:3]) or "none"
+        raise GraftError(
+            f"--layers {' '.join(unmatched)} matches no weight with a Fisher entry "
+            f"({len(entries)} weights have one, e.g. {examples})"
+        )
+    chosen = {name: copy.deepcopy(dict(e)) for name, e in entries.items() if any(fnmatchcase(name, p) for p in patterns)}
+    factor_keys = sorted({e["kfac"][side] for e in chosen.values() if "kfac" in e for side in ("rows", "columns")})
+    factors = {key: manifest["factors"][key] for key in factor_keys}
+    tensor_keys = {e["diagonal"]["key"] for e in chosen.values() if "diagonal" in e}
+    for record in factors.values():
+        tensor_keys.update(record[field] for field in ("eigenvalues", "eigenvectors") if field in record)
+    unfiled = sorted(tensor_keys - set(manifest["files"]))
+    if unfiled:
+        raise GraftError(f"the Fisher manifest names tensor {unfiled[0]!r} but no file holding it (corrupt cache)")
+    kinds = {r for e in chosen.values() for r in ("diagonal", "kfac") if r in e}
+    selected = copy.deepcopy(dict(manifest))
+    selected.update(
+        kind=kinds.pop() if len(kinds) == 1 else "mixed",
+        entries=chosen,
+        factors=factors,
+        files={key: manifest["files"][key] for key in sorted(tensor_keys)},
+        clamped_eigenvalues=sum(int(record.get("clamped", 0)) for record in factors.values()),
+    )
+    return selected
+
+
+FISHER = ArtifactKind(
+    name="fisher",
+    label="Fisher cache",
+    manifest_name=FISHER_MANIFEST,
+    format_name="graftmerge.fisher",
+    render_card=render_fisher_card,
+    open_folder=_open_fisher_folder,
+    select_layers=select_fisher_layers,
+)
+
+def _delta_files(manifest: Mapping[str, Any], read: Callable[[str], bytes]) -> list[str]:
+    """A delta is loadable as a model: its index, the shards the index names, config.json if any."""
+    from huggingface_hub.errors import EntryNotFoundError, RemoteEntryNotFoundError
+
+    from graftmerge.delta.manifest import INDEX_NAME
+
+    files = {INDEX_NAME, *json.loads(read(INDEX_NAME))["weight_map"].values()}
+    try:
+        read("config.json")
+        files.add("config.json")
+    except RemoteEntryNotFoundError:
+        pass  # extract copies the donor's config.json only when it has one
+    except FileNotFoundError as error:
+        if isinstance(error, EntryNotFoundError):  # not "absent": the Hub could not be asked
+            raise
+    return sorted(files)
+
+
+def _open_delta_folder(folder: Path) -> Mapping[str, Any]:
+    from graftmerge.delta.manifest import open_delta
+
+    return open_delta(folder).manifest
+
+
+DELTA = ArtifactKind(
+    name="delta",
+    label="delta",
+    manifest_name=DELTA_MANIFEST,
+    format_name="graftmerge.delta",
+    render_card=render_delta_card,
+    list_files=_delta_files,
+    open_folder=_open_delta_folder,
+)

@@ -1,0 +1,73 @@
+"""Hub-id models of a mergekit config, pointed at their local Hugging Face cache snapshots.
+
+mergekit resolves ``org/name`` by listing the repo on the Hub, which fails offline even
+when the checkpoint is cached; replacing each such reference by its snapshot folder
+before ``run_merge`` makes every merge method work from the cache.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from graftmerge.errors import GraftError
+from graftmerge.hub.references import hub_reference_or_none
+
+# What mergekit itself downloads for a model (config, tokenizer, weights).
+MODEL_FILE_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
+
+
+def cached_model_folder(path: str, revision: str | None) -> str | None:
+    """The local snapshot of Hub model ``path@revision``, or None if ``path`` is local or not cached.
+
+    Offline with no cached copy is an error that says what to download.
+    """
+    if os.path.exists(path) or hub_reference_or_none(path) is None:
+        return None
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return snapshot_download(path, revision=revision, local_files_only=True, allow_patterns=MODEL_FILE_PATTERNS)
+    except Exception:  # noqa: BLE001 - any failure means "no usable copy in the local cache"
+        if constants.is_offline_mode():
+            shown = path if revision is None else f"{path} --revision {revision}"
+            raise GraftError(
+                f"model {path}{'@' + revision if revision else ''} is not a local folder and not in the local "
+                f"Hugging Face cache, and the Hub is offline (HF_HUB_OFFLINE=1): download it first "
+                f"(`hf download {shown}`), or write a local folder as ./{path}"
+            ) from None
+        return None  # online: mergekit downloads it
+
+
+def localize_models(config: Any) -> Any:
+    """``config`` with every cached Hub-id ``ModelReference`` (models, LoRAs) replaced by its folder."""
+    from mergekit.common import ModelPath, ModelReference
+    from pydantic import BaseModel
+
+    def path(model_path: ModelPath) -> ModelPath:
+        folder = cached_model_folder(model_path.path, model_path.revision)
+        return model_path if folder is None else ModelPath(path=folder)
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, ModelReference):
+            model, lora = path(value.model), None if value.lora is None else path(value.lora)
+            if model is value.model and lora is value.lora:
+                return value
+            return value.model_copy(update={"model": model, "lora": lora})
+        if isinstance(value, BaseModel):
+            updates = {}
+            for name in type(value).model_fields:
+                old = getattr(value, name)
+                new = walk(old)
+                if new is not old:
+                    updates[name] = new
+            return value.model_copy(update=updates) if updates else value
+        if isinstance(value, list):
+            items = [walk(v) for v in value]
+            return items if any(a is not b for a, b in zip(items, value)) else value
+        if isinstance(value, dict):
+            items = {k: walk(v) for k, v in value.items()}
+            return items if any(items[k] is not value[k] for k in value) else value
+        return value
+
+    return walk(config)

@@ -1,0 +1,292 @@
+"""A (λ, ρ) grid of grafts in one run: inputs read once, one model folder per grid point.
+
+Every output must equal, tensor for tensor and bit for bit, a separate
+``mergekit-yaml`` run of the same config with that λ and ρ. So nothing here
+re-derives the graft: tensors are planned and loaded by mergekit's own planner
+and ``LoadTensor`` tasks (names, optional weights, dtype casts), dtypes are
+aligned as mergekit's executor aligns them, each grid point is grafted by the
+merge kernel itself (:func:`graftmerge.graft.graft_opened`), cast as mergekit's
+``SaveTensor`` casts, and written with mergekit's ``TensorWriter``.
+
+What is shared is only what is provably the same for every grid point:
+
+- the reads: the scoring pass (global masks) reads each tensor once and forms
+  Δ(λ) for every λ from that read; the writing pass reads each tensor once and
+  grafts it for every grid point (two reads in all, instead of two per point);
+- the Fisher of a tensor, read once and handed to every grid point;
+- the scores, once per λ: the threshold pass scores Δ(λ) once and feeds one
+  exact threshold search per ρ. Δ(λ) is not λ·Δ(1) in floating point, so
+  scores, thresholds and ties are never carried from one λ to another;
+- Δ̃ = UᵀΔ(λ)V of a KFAC weight, rotated once per λ by the threshold pass and
+  reused by every ρ (exactly what a single merge does with its own pass).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from graftmerge.errors import GraftError
+from graftmerge.graft import graft_opened
+from graftmerge.graft_plan import GraftInputs, GraftPlan
+from graftmerge.plan import grid_views, score_pass
+from graftmerge.rotation_store import RotationStore
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    lam: float
+    rho: float
+
+    @property
+    def folder(self) -> str:
+        """``lambda-<λ>_rho-<ρ>``, each number as Python prints it (``lambda-0.5_rho-0.001``)."""
+        return f"lambda-{self.lam!r}_rho-{self.rho!r}"
+
+
+def grid(lambdas: list[float], rhos: list[float]) -> list[GridPoint]:
+    return [GridPoint(float(lam), float(rho)) for lam in lambdas for rho in rhos]
+
+
+class _LastFisher:
+    """The Fisher cache, remembering the tensor it read last: every grid point gets the same tensors."""
+
+    def __init__(self, cache):
+        self._cache = cache
+        self._memo: dict[tuple, object] = {}
+        self._name: str | None = None
+
+    def __getattr__(self, attribute):
+        return getattr(self._cache, attribute)
+
+    def _remember(self, key: tuple, read: Callable):
+        if key[1] != self._name:
+            self._memo.clear()
+            self._name = key[1]
+        if key not in self._memo:
+            self._memo[key] = read()
+        return self._memo[key]
+
+    def diagonal(self, name: str, rows=None):
+        return self._remember(("diagonal", name, rows), lambda: self._cache.diagonal(name, rows))
+
+    def kfac(self, name: str):
+        return self._remember(("kfac", name, None), lambda: self._cache.kfac(name))
+
+
+class _LastRotation:
+    """A RotationStore that keeps the last Δ̃ it loaded (every ρ of one λ asks for the same one)."""
+
+    def __init__(self, store: RotationStore):
+        self._store = store
+        self._last: tuple[tuple, torch.Tensor | None] | None = None
+
+    def load(self, name: str, device) -> torch.Tensor | None:
+        key = (name, str(device))
+        if self._last is None or self._last[0] != key:
+            self._last = None
+            self._last = (key, self._store.load(name, device))
+        return self._last[1]
+
+
+def grid_config_source(source: str, point: GridPoint) -> str:
+    """The config's YAML with this grid point's lambda and rho: what mergekit-yaml would be given."""
+    data = yaml.safe_load(source)
+    parameters = dict(data.get("parameters") or {})
+    parameters["lambda"] = point.lam
+    parameters["rho"] = point.rho
+    data["parameters"] = parameters
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def check_sweepable(config, points: list[GridPoint], plan: GraftPlan) -> dict[GridPoint, GraftPlan]:
+    """Per grid point, the plan a merge with that λ and ρ would run; checks what sweep does not support."""
+    if config.tokenizer is not None or config.tokenizer_source is not None:
+        raise GraftError("sweep does not support `tokenizer:` / `tokenizer_source:`; run mergekit-yaml per grid point")
+    plans = {point: dataclasses.replace(plan, lam=point.lam, rho=point.rho) for point in points}
+    for grid_plan in plans.values():
+        grid_plan.check()
+    return plans
+
+
+def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out_dir: str, options) -> list[Path]:
+    """Write one model folder per grid point under ``out_dir`` (atomically: all or nothing)."""
+    from mergekit.architecture import get_architecture_info
+    from mergekit.io.tasks import LoaderCache
+
+    plans = check_sweepable(config, points, plan)
+    out = Path(out_dir).resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise GraftError(f"output {out_dir} already exists and is not an empty folder; choose a new one")
+    masked = [p for p in plans.values() if p.masked]
+    inputs = GraftInputs.open(masked[0] if masked else plans[points[0]])
+    arch_info = get_architecture_info(config, options)
+    if getattr(arch_info, "post_fill_parameters", False):
+        raise GraftError("sweep does not support architectures whose parameters mergekit fills in after merging")
+    LoaderCache().setup(options=options)
+    device = options.device or "cpu"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging_root = Path(tempfile.mkdtemp(prefix=".graft-sweep-partial-", dir=out.parent))
+    try:
+        staging = staging_root / out.name
+        views = _grid_views(inputs, plans, staging_root / "kfac-rotations", device, progress=not options.quiet)
+        _write_grid(config, source, views, staging, arch_info, options, device)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging_root, ignore_errors=True)
+    return [out / point.folder for point in points]
+
+
+def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch: Path, device: str,
+                progress: bool) -> dict[GridPoint, GraftInputs]:
+    """Each grid point's GraftInputs, with its global threshold and the λ's kept Δ̃ in its memo."""
+    views = grid_views(inputs, plans)
+    fisher = _LastFisher(inputs.fisher) if inputs.fisher is not None else None
+    for view in views.values():
+        view.fisher = fisher
+    global_points = [p for p, plan in plans.items() if plan.masked and plan.rho_scope == "global"]
+    if not global_points:
+        return views
+    lambdas = sorted({p.lam for p in global_points})
+    rhos = sorted({p.rho for p in global_points})
+    by_lambda = {lam: views[next(p for p in global_points if p.lam == lam)] for lam in lambdas}
+    stores = {lam: RotationStore(scratch / f"lambda-{index}") for index, lam in enumerate(lambdas)}
+    results = score_pass(by_lambda, rhos, device=device, progress=progress, rotations=stores)
+    kept = {lam: _LastRotation(store) for lam, store in stores.items()}
+    for point in global_points:
+        views[point].memo["global_threshold"] = results[point.lam].thresholds[point.rho]
+        views[point].memo["rotations"] = kept[point.lam]
+    return views
+
+
+def _write_grid(config, source: str, views: dict[GridPoint, GraftInputs], staging: Path, arch_info, options,
+                device: str) -> None:
+    from mergekit.common import dtype_from_name
+    from mergekit.io.tensor_writer import TensorWriter
+    from mergekit.merge_methods.buffers import copy_non_floating_buffer
+
+    out_config, returns = _planned_tensors(config, arch_info, options)
+    roles = {entry.model: (entry.parameters or {}).get("role") for entry in config.models}
+    donor_ref = next((ref for ref, role in roles.items() if role == "donor"), None)  # none with only deltas
+    fine_tune_refs = [ref for ref, role in roles.items() if role == "donor_ft"]
+    delta_refs = [ref for ref, role in roles.items() if role == "delta"]
+    base_ref = config.base_model
+    folders = {point: staging / point.folder for point in views}
+    writers = {
+        point: TensorWriter(
+            str(folder),
+            max_shard_size=options.out_shard_size,
+            safe_serialization=options.safe_serialization,
+            use_async=options.async_write,
+            max_write_threads=options.write_threads,
+        )
+        for point, folder in folders.items()
+    }
+    storage = device if options.low_cpu_memory else "cpu"
+    for returned in tqdm(returns, desc=f"graft sweep ({len(views)} models)", disable=options.quiet, unit="tensor"):
+        name = returned.name
+        task = returned.tensor_task
+        tensors = _load_group(task, device)
+        if tensors is None:
+            continue  # an optional weight none of the inputs has (mergekit skips it too)
+        buffer = copy_non_floating_buffer(list(tensors.values()), name)
+        if buffer is None:
+            dtype = _promoted(list(tensors.values()))  # mergekit's align_dtype
+            aligned = {ref: tensor.to(dtype=dtype) for ref, tensor in tensors.items()}
+            post, donor = aligned[base_ref], aligned.get(donor_ref)
+            fine_tunes = [aligned[ref] for ref in fine_tune_refs]
+            deltas = [aligned[ref] for ref in delta_refs]
+        for point, view in views.items():
+            with torch.no_grad():
+                tensor = buffer if buffer is not None else graft_opened(view, name, post, donor, fine_tunes, deltas)
+            tensor = tensor.to(storage)
+            if returned.dtype:
+                tensor = tensor.to(dtype=dtype_from_name(returned.dtype))
+            writers[point].save_tensor(name=name, tensor=tensor, clone=options.clone_tensors)
+            del tensor
+        del tensors
+    for point, writer in writers.items():
+        writer.finalize()
+        _write_model_files(config, source, point, str(folders[point]), out_config, arch_info, options)
+
+
+def _promoted(tensors: list[torch.Tensor]) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for tensor in tensors[1:]:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
+
+
+def _planned_tensors(config, arch_info, options):
+    """(output config, mergekit's per-weight tasks): the same weights, names and casts as mergekit-yaml."""
+    from mergekit.merge import _model_out_config
+    from mergekit.plan import MergePlanner
+
+    out_config = _model_out_config(config, arch_info, trust_remote_code=options.trust_remote_code)
+    planner = MergePlanner(copy.deepcopy(config), arch_info, options=options, out_model_config=out_config)
+    # plan_to_disk's own steps minus the writer tasks (plan_in_memory cannot build its
+    # ReturnTensor tasks in mergekit 0.1.5): per weight, its merge task and SaveTensor's dtype.
+    planner._plan()
+    return out_config, [
+        PlannedTensor(weight.name, task, weight.force_dtype or config.out_dtype) for weight, task in planner._tensors
+    ]
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    tensor_task: object  # mergekit ExecuteMergeMethodTask
+    dtype: str | None
+
+
+def _load_group(task, device: str) -> dict | None:
+    """The inputs of one output weight, loaded by mergekit's own LoadTensor tasks, in model order."""
+    from mergekit.io.tasks import GatherTensors
+
+    gather = task.gather_tensors
+    if not isinstance(gather, GatherTensors):
+        raise GraftError(f"{task.output_weight.name}: sweep supports plain model inputs only (no vocabulary changes)")
+    loaded = gather.execute(**{key: load.execute() for key, load in gather.arguments().items()})
+    present = {ref: loaded[ref].to(device) for ref in task.model_order if ref in loaded}
+    if not present and task.output_weight.optional:
+        return None
+    if len(present) != len(task.model_order):
+        missing = [str(ref) for ref in task.model_order if ref not in present]
+        raise GraftError(f"tensor {task.output_weight.name} is missing from {', '.join(missing)}")
+    return present
+
+
+def _write_model_files(config, source: str, point: GridPoint, folder: str, out_config, arch_info, options) -> None:
+    """config.json, model card, tokenizer and tag-along files, as mergekit's run_merge writes them."""
+    from mergekit.card import generate_card
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import _copy_tagalong_files, _copy_tokenizer
+
+    out_config.save_pretrained(folder)
+    point_source = grid_config_source(source, point)
+    point_config = MergeConfiguration.model_validate(yaml.safe_load(point_source))
+    if options.write_model_card:
+        card = generate_card(config=point_config, config_yaml=point_source, name=os.path.basename(folder))
+        Path(folder, "README.md").write_text(card, encoding="utf-8")
+        Path(folder, "mergekit_config.yml").write_text(point_source, encoding="utf-8")
+    if options.copy_tokenizer:
+        try:
+            _copy_tokenizer(point_config, folder, options=options)
+        except Exception as error:  # noqa: BLE001 - mergekit also keeps the merge when this fails
+            LOG.error("Failed to copy tokenizer into %s: %s", folder, error)
+    _copy_tagalong_files(point_config, folder, files=arch_info.tagalong_files or [], options=options)

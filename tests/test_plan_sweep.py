@@ -1,0 +1,255 @@
+"""`graftmerge plan` against a whole-model brute force, `graftmerge sweep` against separate
+mergekit-yaml runs (bit for bit), and both commands' refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from fractions import Fraction
+from math import ceil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from conftest import (
+    BIN,
+    graft_yaml,
+    read_model,
+    tree_digest,
+    write_diagonal_cache,
+    write_mixed_cache,
+)
+
+from graftmerge.cli import main
+from graftmerge.fisher import open_fisher_cache
+from graftmerge.graft_plan import FineTune, GraftInputs, GraftPlan
+from graftmerge.plan import plan_report
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+@pytest.fixture(scope="module")
+def caches(tied_models, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("plan-sweep-fisher")
+    return {
+        "mixed": write_mixed_cache(root / "mixed", tied_models["post"], seed=4),
+        # a few exact ties and zeros: integer-valued Fisher on a coarse grid
+        "diag": write_diagonal_cache(root / "diag", tied_models["post"], seed=5,
+                                     transform=lambda name, v: (v * 4).floor()),
+    }
+
+
+def brute_scores(models, fine_tunes, cache_path, lam) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Every ranked direction's score, the whole model at once (SPEC §2), float32."""
+    donor = read_model(models["donor"])
+    fts = [(read_model(path), weight) for path, weight in fine_tunes]
+    cache = open_fisher_cache(cache_path)
+    names = sorted(n for n in donor if cache.representation(n))
+    scores = {}
+    for n in names:
+        delta = sum(lam * w * (ft[n].float() - donor[n].float()) for ft, w in fts)
+        if cache.representation(n) == "kfac":
+            f = cache.kfac(n)
+            rotated = (delta if f.U is None else f.U.T @ delta) @ f.V
+            scores[n] = rotated.square() * f.S[:, None] * f.D[None, :]
+        else:
+            scores[n] = cache.diagonal(n) * delta.square()
+    return names, scores
+
+
+@pytest.mark.parametrize("cache_kind", ["diag", "mixed"])
+def test_plan_equals_brute_force_for_every_rho(tied_models, caches, cache_kind):
+    m = tied_models
+    fine_tunes = [(m["donor_ft"], 1.0)]
+    rhos = [0.0, 0.0005, 0.01, 0.2, 0.9]
+    plan = GraftPlan(post=str(m["post"]), donor=str(m["donor"]), fine_tunes=(FineTune(str(m["donor_ft"]), 1.0),),
+                     lam=1.0, rho=0.5, fisher=str(caches[cache_kind]), dtype="float32")
+    report = plan_report(GraftInputs.open(plan), rhos, progress=False)
+    names, scores = brute_scores(m, fine_tunes, caches[cache_kind], 1.0)
+    flat = torch.cat([scores[n].reshape(-1) for n in names])
+    sizes = [scores[n].numel() for n in names]
+    total_mass = float(flat.double().sum())
+    assert report.directions == flat.numel() and [t.name for t in report.tensors] == names
+    assert report.mass == pytest.approx(total_mass, rel=1e-9)
+    order = torch.sort(flat, descending=True, stable=True)
+    for summary in report.rhos:
+        k = ceil(Fraction(repr(summary.rho)) * flat.numel())
+        chosen = torch.zeros_like(flat, dtype=torch.bool)
+        chosen[order.indices[:k]] = True
+        chosen &= flat >= TINY
+        assert summary.k == k and summary.masked == int(chosen.sum()), summary.rho
+        if k:
+            assert summary.threshold == float(order.values[k - 1]), summary.rho
+        assert summary.removed_share == pytest.approx(float(flat[chosen].double().sum()) / total_mass, rel=1e-9, abs=1e-15)
+        for tensor, part, mask in zip(report.tensors, torch.split(flat, sizes), torch.split(chosen, sizes)):
+            tally = tensor.tallies[summary.rho]
+            assert tally.masked == int(mask.sum()), (summary.rho, tensor.name)
+            assert tally.masked_score == pytest.approx(float(part[mask].double().sum()), rel=1e-9, abs=1e-15)
+    assert 0 < report.rhos[2].removed_share < report.rhos[3].removed_share <= report.rhos[4].removed_share <= 1
+
+
+def test_plan_tensor_scope_is_per_tensor_top_k(tied_models, caches):
+    m = tied_models
+    plan = GraftPlan(post=str(m["post"]), donor=str(m["donor"]), fine_tunes=(FineTune(str(m["donor_ft"]), 1.0),),
+                     rho=0.5, fisher=str(caches["diag"]), rho_scope="tensor")
+    report = plan_report(GraftInputs.open(plan), [0.05, 0.3], progress=False)
+    names, scores = brute_scores(m, [(m["donor_ft"], 1.0)], caches["diag"], 1.0)
+    for tensor in report.tensors:
+        flat = scores[tensor.name].reshape(-1)
+        for rho, tally in tensor.tallies.items():
+            k = ceil(Fraction(repr(rho)) * flat.numel())
+            expected = int((torch.sort(flat, descending=True, stable=True).values[:k] >= TINY).sum())
+            assert tally.masked == expected, (tensor.name, rho)
+    assert all(s.threshold is None for s in report.rhos)
+
+
+def test_plan_cli_prints_every_rho_and_writes_json(tmp_path, tied_models, caches):
+    m = tied_models
+    config = tmp_path / "g.yml"
+    config.write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.5)], rho=0.01, fisher=caches["mixed"]))
+    result = CliRunner().invoke(main, ["plan", str(config), "--rho", "0.001,0.01,0.1", "--no-progress",
+                                       "--json", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("rho ")] == ["0.001", "0.01", "0.1"]
+    assert any(line.startswith("model.layers.0.mlp.down_proj.weight") and " kfac " in line for line in lines)
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert [r["rho"] for r in data["rhos"]] == [0.001, 0.01, 0.1]
+    assert data["rhos"][0]["masked"] == ceil(0.001 * data["directions"])
+
+
+def run_graftmerge(*args: str, cache_dir: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GRAFTMERGE_CACHE_DIR=str(cache_dir))
+    return subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, env=env, timeout=600)
+
+
+def assert_bitwise_equal(got: Path, expected: Path) -> None:
+    a, b = read_model(got), read_model(expected)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert a[name].shape == b[name].shape, name
+        assert a[name].contiguous().view(torch.uint8).equal(b[name].contiguous().view(torch.uint8)), name
+    assert (got / "config.json").read_text() == (expected / "config.json").read_text()
+    for file in ("tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"):
+        assert (got / file).exists() == (expected / file).exists(), file
+
+
+@pytest.mark.parametrize(
+    "cache_kind, scope, fine_tune_keys, lambdas, rhos",
+    [
+        ("mixed", "global", ("donor_ft",), [0.3, 1.0], [0.0, 0.01]),
+        ("diag", "tensor", ("donor_ft", "donor_ft2"), [0.7], [0.0, 0.05]),
+    ],
+    ids=["kfac-mixed-global", "diagonal-tensor-scope-two-deltas"],
+)
+def test_sweep_outputs_equal_separate_mergekit_yaml_runs(tmp_path, tied_models, caches, cache_kind, scope,
+                                                         fine_tune_keys, lambdas, rhos):
+    m = tied_models
+    fine_tunes = [(m[key], 0.5 + index) for index, key in enumerate(fine_tune_keys)]
+    config = tmp_path / "g.yml"
+    config.write_text(graft_yaml(m["post"], m["donor"], fine_tunes, rho=0.3, fisher=caches[cache_kind], scope=scope,
+                                 out_dtype="bfloat16"))
+    before = tree_digest(m["post"].parent)
+    sweep = run_graftmerge("graftmerge", "sweep", str(config), "--lambda", ",".join(map(str, lambdas)),
+                           "--rho", ",".join(map(str, rhos)), "-o", str(tmp_path / "sweep"),
+                           "--out-shard-size", "20K", cache_dir=tmp_path / "cache-sweep")
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == sorted(
+        f"lambda-{lam!r}_rho-{rho!r}" for lam in lambdas for rho in rhos)
+    assert not list(tmp_path.glob(".graft-sweep-partial-*"))
+    for lam in lambdas:
+        for rho in rhos:
+            folder = tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}"
+            single = tmp_path / f"single-{lam}-{rho}.yml"
+            single.write_text(graft_yaml(m["post"], m["donor"], fine_tunes, rho=rho, lam=lam, fisher=caches[cache_kind],
+                                         scope=scope, out_dtype="bfloat16"))
+            reference = run_graftmerge("mergekit-yaml", str(single), str(tmp_path / f"ref-{lam}-{rho}"),
+                                       "--out-shard-size", "20K", cache_dir=tmp_path / f"cache-{lam}-{rho}")
+            assert reference.returncode == 0, reference.stderr[-3000:]
+            assert_bitwise_equal(folder, tmp_path / f"ref-{lam}-{rho}")
+            written = yaml.safe_load((folder / "mergekit_config.yml").read_text())["parameters"]
+            assert (written["lambda"], written["rho"]) == (lam, rho)
+    # the grid really differs across λ and ρ (else equality would prove little)
+    outputs = {(lam, rho): read_model(tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}") for lam in lambdas for rho in rhos}
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert len({outputs[key][name].float().sum().item() for key in outputs}) == len(outputs)
+    assert tree_digest(m["post"].parent) == before
+
+
+def test_sweep_with_role_delta_inputs_equals_mergekit_yaml(tmp_path, tied_models, caches):
+    """A precomputed delta (`graftmerge delta extract`) next to a donor/donor_ft pair."""
+    m = tied_models
+    extracted = CliRunner().invoke(main, ["delta", "extract", str(m["donor"]), str(m["donor_ft2"]), "-o",
+                                          str(tmp_path / "delta-ft2"), "-q"])
+    assert extracted.exit_code == 0, extracted.output
+
+    def config(lam: float, rho: float) -> str:
+        return (f"merge_method: graft\nbase_model: {m['post']}\nmodels:\n"
+                f"  - model: {m['donor']}\n    parameters: {{role: donor}}\n"
+                f"  - model: {m['donor_ft']}\n    parameters: {{role: donor_ft, weight: 0.6}}\n"
+                f"  - model: {tmp_path / 'delta-ft2'}\n    parameters: {{role: delta, weight: -0.4}}\n"
+                f"parameters:\n  lambda: {lam}\n  rho: {rho}\n  fisher: {caches['mixed']}\n"
+                "dtype: float32\nout_dtype: float32\n")
+
+    (tmp_path / "g.yml").write_text(config(1.0, 0.5))
+    sweep = run_graftmerge("graftmerge", "sweep", str(tmp_path / "g.yml"), "--lambda", "0.5,1", "--rho", "0.02",
+                           "-o", str(tmp_path / "sweep"), cache_dir=tmp_path / "cache-sweep")
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    for lam in (0.5, 1.0):
+        (tmp_path / f"{lam}.yml").write_text(config(lam, 0.02))
+        reference = run_graftmerge("mergekit-yaml", str(tmp_path / f"{lam}.yml"), str(tmp_path / f"ref-{lam}"),
+                                   cache_dir=tmp_path / f"cache-{lam}")
+        assert reference.returncode == 0, reference.stderr[-3000:]
+        assert_bitwise_equal(tmp_path / "sweep" / f"lambda-{lam!r}_rho-0.02", tmp_path / f"ref-{lam}")
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "command, fragment",
+    [
+        (["plan", "{config}", "--rho", ""], "comma-separated"),
+        (["plan", "{config}", "--rho", "0.1,,0.2"], "comma-separated"),
+        (["plan", "{config}", "--rho", "0.1,abc"], "not a number"),
+        (["plan", "{config}", "--rho", "1"], "[0, 1)"),
+        (["plan", "{config}", "--rho", "-0.1"], "[0, 1)"),
+        (["plan", "{config}", "--rho", "0.1,0.1"], "twice"),
+        (["plan", "{linear}", "--rho", "0.1"], "graft config"),
+        (["plan", "{nofisher}", "--rho", "0.1"], "fisher"),
+        (["sweep", "{config}", "--lambda", "", "--rho", "0", "-o", "{out}"], "comma-separated"),
+        (["sweep", "{config}", "--lambda", "1,nan", "--rho", "0", "-o", "{out}"], "finite"),
+        (["sweep", "{config}", "--lambda", "1", "--rho", "0.5,1.5", "-o", "{out}"], "[0, 1)"),
+        (["sweep", "{linear}", "--lambda", "1", "--rho", "0", "-o", "{out}"], "graft config"),
+        (["sweep", "{nofisher}", "--lambda", "1", "--rho", "0,0.1", "-o", "{out}"], "fisher"),
+        (["sweep", "{config}", "--lambda", "1", "--rho", "0", "-o", "{existing}"], "already exists"),
+    ],
+)
+def test_bad_inputs_one_line_exit_2_nothing_written(tmp_path, tied_models, caches, command, fragment):
+    m = tied_models
+    (tmp_path / "g.yml").write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 1.0)], rho=0.01,
+                                               fisher=caches["diag"]))
+    (tmp_path / "nofisher.yml").write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 1.0)]))
+    (tmp_path / "linear.yml").write_text(
+        f"merge_method: linear\nmodels:\n  - model: {m['post']}\n    parameters: {{weight: 1.0}}\n"
+        f"  - model: {m['donor']}\n    parameters: {{weight: 1.0}}\ndtype: float32\n")
+    (tmp_path / "existing").mkdir()
+    (tmp_path / "existing" / "keep.txt").write_text("mine")
+    paths = {"config": tmp_path / "g.yml", "linear": tmp_path / "linear.yml", "nofisher": tmp_path / "nofisher.yml",
+             "out": tmp_path / "out", "existing": tmp_path / "existing"}
+    before = tree_digest(m["post"].parent), tree_digest(caches["diag"])
+    args = [part.format(**paths) for part in command]
+    line = one_line_error(CliRunner().invoke(main, args))
+    assert fragment in line
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in (tmp_path / "existing").iterdir()] == ["keep.txt"]
+    assert not list(tmp_path.glob(".graft-sweep-partial-*"))
+    assert (tree_digest(m["post"].parent), tree_digest(caches["diag"])) == before
