@@ -11,12 +11,18 @@ The donor is synthetic (post + 1 % relative noise) and the fine-tune is 4 AdamW 
 not a real donor. Inputs are built once in --workdir and reused.
 
     python benchmarks/bench_smollm2.py --workdir bench-smollm2 [--repeats 3]
+
+The machine's load average is printed at the start and end of each part: on a shared
+machine the figures are only as good as the quiet it had.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -99,12 +105,15 @@ def estimator_throughput(workdir: Path, batch_size: int, repeats: int) -> None:
     parameters = sum(p.numel() for p in model.parameters())
     print(f"\n(a) estimator: {parameters / 1e6:.1f}M parameters, {len(rollouts)} own-sample chat rollouts, "
           f"{tokens} tokens ({completion} completion), batches of {batch_size}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; best of {repeats}")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; best of {repeats}, interleaved")
     modes = {"floor (forward+backward)": floor, "diagonal": ours("diagonal"), "kfac": ours("kfac")}
-    results = {}
-    for name, run in modes.items():
+    for run in modes.values():
         run(model, batches[:1])  # warm-up
-        results[name] = min(timed(run, model, batches) for _ in range(repeats))
+    timings: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(repeats):  # interleaved, so a busy moment of a shared machine hits every mode
+        for name, run in modes.items():
+            timings[name].append(timed(run, model, batches))
+    results = {name: min(values) for name, values in timings.items()}
     base = tokens / results["floor (forward+backward)"]
     print(f"{'mode':>26} {'seconds':>8} {'tokens/s':>9} {'÷ floor':>8}")
     for name, seconds in results.items():
@@ -132,11 +141,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=48, help="length of the sampled completions")
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--part", choices=["all", "estimator", "merges"], default="all",
+                        help="merges assumes the inputs were built by an earlier run")
     args = parser.parse_args()
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    build_inputs(args.workdir, args.max_new_tokens)
-    estimator_throughput(args.workdir, args.batch_size, args.repeats)
-    merges(args.workdir, args.repeats)
+    print(f"load average ({args.part}) at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    if args.part in ("all", "estimator"):
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        build_inputs(args.workdir, args.max_new_tokens)
+        estimator_throughput(args.workdir, args.batch_size, args.repeats)
+    if args.part == "all":
+        # Linux reports a child's peak RSS as at least its parent's peak at the spawn (vfork +
+        # exec), and this process has held whole models: time the merges from a fresh one.
+        sys.stdout.flush()
+        subprocess.run([sys.executable, __file__, "--workdir", str(args.workdir), "--repeats",
+                        str(args.repeats), "--part", "merges"], check=True)
+    elif args.part == "merges":
+        merges(args.workdir, args.repeats)
+    print(f"load average ({args.part}) at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 
 
 if __name__ == "__main__":
