@@ -27,8 +27,8 @@ from bench_graft import CONFIGS, build_inputs
 from common import qwen3_config, time_merges
 
 from graftmerge.fisher import KfacFactors
-from graftmerge.projection import TensorFisher, remove_masked, score_delta
-from graftmerge.selection import mask_from_threshold
+from graftmerge.math.projection import TensorFisher, remove_masked, score_delta
+from graftmerge.math.selection import mask_from_threshold
 
 
 def best_seconds(fn, repeats: int = 9) -> float:
@@ -122,7 +122,7 @@ def count_and_profile(workdir: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from graftmerge import _import_hook
-    from graftmerge.projection import KFAC_ROTATIONS
+    from graftmerge.math.projection import KFAC_ROTATIONS
 
     _import_hook.install()
     from mergekit.merge import run_merge

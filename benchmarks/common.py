@@ -7,6 +7,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,17 +63,30 @@ def write_checkpoint(folder: Path, config, make_tensor, dtype=torch.bfloat16) ->
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
 
 
+# Runs the measured command as its own child and reports that child's peak RSS. A child
+# forked straight from the benchmark would inherit the benchmark's resident set in its
+# ru_maxrss (Linux keeps the high-water mark across fork and exec), so a small
+# intermediate process does the fork instead.
+_PEAK_RSS_PROBE = (
+    "import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+    "sys.exit(rc)"
+)
+
+
 def timed_run(command: list[str], env: dict | None = None) -> tuple[float, float]:
     """(wall seconds, peak RSS in MB) of one subprocess, measured for that child alone."""
-    start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               env={**os.environ, **(env or {})})
-    _, status, usage = os.wait4(process.pid, 0)
-    wall = time.perf_counter() - start
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{process.stderr.read().decode()[-2000:]}")
-    return wall, usage.ru_maxrss / 1024
+    with tempfile.TemporaryDirectory() as scratch:
+        peak_file = os.path.join(scratch, "peak_kb")
+        start = time.perf_counter()
+        process = subprocess.run(
+            [sys.executable, "-c", _PEAK_RSS_PROBE, peak_file, *command],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
+        )
+        wall = time.perf_counter() - start
+        if process.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{process.stderr.decode()[-2000:]}")
+        return wall, int(Path(peak_file).read_text()) / 1024
 
 
 def median(values) -> float:

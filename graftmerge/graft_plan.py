@@ -19,10 +19,10 @@ import torch
 from graftmerge.checkpoint import Checkpoint
 from graftmerge.delta.manifest import MANIFEST_NAME as DELTA_MANIFEST
 from graftmerge.delta.manifest import DeltaFolder, open_delta
-from graftmerge.donor_delta import donor_delta
 from graftmerge.errors import GraftError
 from graftmerge.fisher.cache import FisherCache, open_fisher_cache, side_rank
-from graftmerge.projection import TensorFisher
+from graftmerge.math.donor_delta import donor_delta
+from graftmerge.math.projection import TensorFisher
 
 ROLES = ("donor", "donor_ft")
 CONFIG_ROLES = (*ROLES, "delta")  # delta: a folder from `graftmerge delta extract`

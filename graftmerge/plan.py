@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from graftmerge.global_threshold import GlobalThreshold
 from graftmerge.graft_plan import GraftInputs, GraftPlan
-from graftmerge.mask_stats import MaskTally, MultiThresholdSearch, score_mass, share
-from graftmerge.projection import score_delta
+from graftmerge.math.global_threshold import GlobalThreshold
+from graftmerge.math.mask_stats import MaskTally, MultiThresholdSearch, score_mass, share
+from graftmerge.math.projection import score_delta
+from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
 from graftmerge.rotation_store import RotationStore
-from graftmerge.selection import mask_from_threshold, masked_count, top_k_mask
 
 
 class ReadOnce:

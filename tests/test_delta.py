@@ -262,7 +262,7 @@ def top_by_fisher(flat_fisher: torch.Tensor, top: float) -> torch.Tensor:
 @pytest.mark.parametrize("top", [0.01, 0.2])
 def test_stats_match_brute_force(tied_models, deltas, tied_diag_cache, mixed_cache, cache_kind, top):
     from graftmerge.delta.stats import compute_stats
-    from graftmerge.delta_stats import block_of
+    from graftmerge.math.delta_stats import block_of
 
     fisher_path = tied_diag_cache if cache_kind == "diagonal" else mixed_cache
     stats = compute_stats(deltas["ft"], fisher_path, top=top, progress=False)

@@ -23,10 +23,10 @@ from conftest import graft_yaml, read_model, run_cli, spd
 from safetensors import safe_open
 
 from graftmerge.checkpoint import Checkpoint
+from graftmerge.cli.hub import delta_pull, delta_push, fisher_pull, fisher_push
 from graftmerge.errors import GraftError
 from graftmerge.fisher import FisherCacheWriter, open_fisher_cache
 from graftmerge.graft_plan import resolve_fisher_folder
-from graftmerge.hub.cli import delta_pull, delta_push, fisher_pull, fisher_push
 from graftmerge.hub.references import HubReference, hub_reference_or_none, parse_hub_reference
 
 SHARD_BYTES = 40_000  # tiny shards: a tiny model's cache spans many files

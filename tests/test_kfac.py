@@ -12,8 +12,8 @@ import torch
 from conftest import brute_force_graft, graft_yaml, read_model, run_cli, spd, write_mixed_cache
 
 from graftmerge.fisher import KfacFactors, open_fisher_cache
-from graftmerge.projection import TensorFisher, remove_masked, score_delta
-from graftmerge.selection import masked_count, top_k_mask
+from graftmerge.math.projection import TensorFisher, remove_masked, score_delta
+from graftmerge.math.selection import masked_count, top_k_mask
 
 
 def eigen_factors(P: torch.Tensor, Q: torch.Tensor) -> KfacFactors:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import graftmerge.global_threshold as gt
-from graftmerge.global_threshold import ThresholdSearch
-from graftmerge.selection import mask_from_threshold, masked_count, top_k_mask
+import graftmerge.math.global_threshold as gt
+from graftmerge.math.global_threshold import ThresholdSearch
+from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
 
 
 def brute_force_mask(scores: list[torch.Tensor], k: int) -> list[torch.Tensor]:

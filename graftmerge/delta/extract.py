@@ -29,8 +29,8 @@ from graftmerge.delta.manifest import (
     MANIFEST_NAME,
     source_record,
 )
-from graftmerge.donor_delta import donor_delta
 from graftmerge.errors import GraftError
+from graftmerge.math.donor_delta import donor_delta
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_SHARD_BYTES = 2 * 10**9

@@ -48,13 +48,6 @@ class RolloutStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
 
 def rollouts_sha256(rollouts: Sequence[Rollout]) -> str:
     """Hash of the token ids actually used, independent of file formatting and order of keys."""

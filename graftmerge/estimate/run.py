@@ -25,7 +25,6 @@ from graftmerge.estimate.model_loading import causal_lm_config, load_causal_lm, 
 from graftmerge.estimate.rollouts import (
     Rollout,
     RolloutStats,
-    file_sha256,
     read_prompts,
     read_rollouts,
     rollouts_sha256,
@@ -38,6 +37,7 @@ from graftmerge.estimate.sampling import (
     prompt_generator,
     sample_completions,
 )
+from graftmerge.file_hash import file_sha256
 
 ACCUMULATOR_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from safetensors.torch import save_file
 from graftmerge import __version__
 from graftmerge.checkpoint import Checkpoint
 from graftmerge.errors import GraftError
+from graftmerge.math.kfac import KfacFactors
 
 FORMAT_NAME = "graftmerge.fisher"
 FORMAT_VERSION = 1
@@ -40,22 +40,6 @@ MANIFEST_NAME = "fisher_manifest.json"
 DEFAULT_SHARD_BYTES = 1 << 30
 ORTHONORMAL_TOLERANCE = 1e-3
 EIGENVALUE_TOLERANCE = 1e-6  # relative to the largest eigenvalue of the side
-
-
-@dataclass(frozen=True)
-class KfacFactors:
-    """One weight's KFAC eigenbases, in the layout of the stored weight (rows × cols).
-
-    ``F ≈ (V diag(D) Vᵀ) ⊗ (U diag(S) Uᵀ)``: U/S act on dim 0 (rows, the output
-    side of a Linear), V/D on dim 1 (columns, the input side). ``U`` or ``V`` is
-    None when that side is diagonal (identity eigenbasis), e.g. the one-hot
-    vocabulary rows of an embedding.
-    """
-
-    U: torch.Tensor | None
-    S: torch.Tensor
-    V: torch.Tensor | None
-    D: torch.Tensor
 
 
 def _hf_cache_origin(folder: Path) -> tuple[str | None, str | None]:

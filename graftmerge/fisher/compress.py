@@ -152,7 +152,7 @@ def delta_report(result: CompressResult, source: str | Path, plan, device: str =
     import dataclasses
 
     from graftmerge.graft_plan import GraftInputs
-    from graftmerge.mask_stats import block_share, pair_overlap
+    from graftmerge.math.mask_stats import block_share, pair_overlap
     from graftmerge.plan import score_pass, tensor_masks
 
     rho = plan.rho

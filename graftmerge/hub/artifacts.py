@@ -34,6 +34,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from graftmerge.errors import GraftError
+from graftmerge.file_hash import file_sha256
 from graftmerge.hub.references import HubReference, hub_reference_or_none, parse_hub_reference
 
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
@@ -124,13 +125,6 @@ def git_blob_id(data: bytes) -> str:
     """The git object id the Hub reports for a regular (non-LFS) file."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def same_as_remote(remote: Any, local: Path | bytes) -> bool:

@@ -55,8 +55,8 @@ def fisher_compress(cache: str, rank: int, output: str, config_file: str | None,
     if config_file:
         import dataclasses
 
+        from graftmerge.cli.merge import read_graft_config
         from graftmerge.graft_plan import GraftInputs
-        from graftmerge.merge_cli import read_graft_config
 
         _, _, plan = read_graft_config(config_file)  # checked completely before anything is written
         GraftInputs.open(dataclasses.replace(plan, fisher=cache, rho=max(plan.rho, 0.5)))

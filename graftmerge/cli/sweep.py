@@ -6,7 +6,7 @@ import click
 from mergekit.options import MergeOptions, add_merge_options
 
 from graftmerge import _import_hook
-from graftmerge.plan_cli import parse_values
+from graftmerge.cli.plan import parse_values
 
 
 @click.command("sweep")
@@ -47,7 +47,7 @@ def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_l
     \b
     graftmerge sweep graft.yml --lambda 0.25,0.5,1 --rho 0,0.001,0.01 -o sweep/ --out-shard-size 500M
     """
-    from graftmerge.merge_cli import read_graft_config
+    from graftmerge.cli.merge import read_graft_config
     from graftmerge.sweep import grid, run_sweep
 
     _import_hook.install()

@@ -67,7 +67,7 @@ def plan(config_file: str, rho_list: str, device: str, json_path: str | None, no
     graftmerge plan merge_configs/graft.yml --rho 0.001,0.01,0.1
     graftmerge plan graft.yml --rho 0.01 --json plan.json
     """
-    from graftmerge.merge_cli import read_graft_config
+    from graftmerge.cli.merge import read_graft_config
     from graftmerge.plan import format_report, plan_report, report_json
 
     rhos = parse_values(rho_list, "--rho", rho=True)

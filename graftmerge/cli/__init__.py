@@ -42,13 +42,13 @@ class _LazyGroup(click.Group):
     """Import each subcommand's module only when it is used (keeps --help fast)."""
 
     _lazy = {
-        "fisher": ("graftmerge.estimate.cli", "fisher"),
-        "merge": ("graftmerge.merge_cli", "merge"),
-        "demo": ("graftmerge.demo", "demo"),
-        "plan": ("graftmerge.plan_cli", "plan"),
-        "sweep": ("graftmerge.sweep_cli", "sweep"),
-        "delta": ("graftmerge.delta.cli", "delta"),
-        "import-gguf": ("graftmerge.gguf_cli", "import_gguf"),
+        "fisher": ("graftmerge.cli.fisher", "fisher"),
+        "merge": ("graftmerge.cli.merge", "merge"),
+        "demo": ("graftmerge.cli.demo", "demo"),
+        "plan": ("graftmerge.cli.plan", "plan"),
+        "sweep": ("graftmerge.cli.sweep", "sweep"),
+        "delta": ("graftmerge.cli.delta", "delta"),
+        "import-gguf": ("graftmerge.cli.import_gguf", "import_gguf"),
     }
 
     def list_commands(self, ctx):

@@ -106,11 +106,11 @@ def estimate(
     if written is not None:
         click.echo(f"wrote {written}")
 
-from graftmerge.hub.cli import fisher_pull, fisher_push  # noqa: E402 - Hub commands join the group
+from graftmerge.cli.hub import fisher_pull, fisher_push  # noqa: E402 - Hub commands join the group
 
 fisher.add_command(fisher_push)
 fisher.add_command(fisher_pull)
 
-from graftmerge.fisher.compress_cli import fisher_compress  # noqa: E402 - compress joins the group
+from graftmerge.cli.fisher_compress import fisher_compress  # noqa: E402 - compress joins the group
 
 fisher.add_command(fisher_compress)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from graftmerge.fisher.cache import KfacFactors
-from graftmerge.scores import diagonal_scores, kfac_rotate, kfac_scores
+from graftmerge.math.kfac import KfacFactors
+from graftmerge.math.scores import diagonal_scores, kfac_rotate, kfac_scores
 
 # How often each weight was rotated into its KFAC eigenbasis (Δ̃ = Uᵀ Δ V) in this
 # process: the benchmark reports it per weight per merge.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graftmerge.fisher.cache import KfacFactors
+from graftmerge.math.kfac import KfacFactors
 
 _CHUNK = 1 << 22  # elements per reduction step
 _BLOCK = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")

@@ -97,7 +97,7 @@ def stats(delta_folder: Path, fisher: Path | None, top: float, plot: Path | None
         click.echo(f"wrote {json_file}")
 
 
-from graftmerge.hub.cli import delta_pull, delta_push  # noqa: E402 - Hub commands join the group
+from graftmerge.cli.hub import delta_pull, delta_push  # noqa: E402 - Hub commands join the group
 
 delta.add_command(delta_push)
 delta.add_command(delta_pull)

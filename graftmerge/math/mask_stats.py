@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graftmerge.global_threshold import GlobalThreshold, ThresholdSearch
-from graftmerge.selection import masked_count
+from graftmerge.math.global_threshold import GlobalThreshold, ThresholdSearch
+from graftmerge.math.selection import masked_count
 
 _TOTAL_SPILL = 1 << 26  # kept bit patterns over all searches (256 MB); exact at any value
 

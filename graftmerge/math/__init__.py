@@ -1,0 +1,11 @@
+"""Pure tensor math of a graft: tensors in, tensors out; no file is opened here.
+
+donor_delta       Δ = Σ λ_i (θft_i − θdonor) + Σ λ_j δ_j
+scores            diagonal and KFAC direction scores
+selection         exact top-k masks, ⌈ρ·D⌉
+global_threshold  streaming exact radix select over a model's scores
+projection        Δ' = Δ − masked part (diagonal, KFAC)
+mask_stats        per-ρ thresholds, masked counts and removed shares (plan, compress)
+delta_stats       norms and Fisher-weighted shares of a delta (delta stats)
+kfac              the KfacFactors value type
+"""
