@@ -198,3 +198,18 @@ def tree_digest(folder: Path) -> str:
 def copy_model(source: Path, target: Path) -> Path:
     shutil.copytree(source, target)
     return target
+
+
+def mergekit_yaml_model(tmp_path: Path, config: str, name: str) -> dict[str, torch.Tensor]:
+    """Run ``config`` through the stock mergekit-yaml into ``tmp_path/name``; its tensors."""
+    (tmp_path / f"{name}.yml").write_text(config)
+    result = run_cli("mergekit-yaml", str(tmp_path / f"{name}.yml"), str(tmp_path / name))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_model(tmp_path / name)
+
+
+def assert_identical(got: dict, expected: dict) -> None:
+    """Same tensor names, dtypes and bits."""
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert got[name].dtype == expected[name].dtype and torch.equal(got[name], expected[name]), name

@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import copy_model, read_model, run_cli, tree_digest, write_mixed_cache
+from conftest import (
+    assert_identical,
+    copy_model,
+    mergekit_yaml_model,
+    read_model,
+    run_cli,
+    tree_digest,
+    write_mixed_cache,
+)
 from safetensors.torch import save_file
 
 from graftmerge import _import_hook
@@ -156,18 +164,6 @@ def config_yaml(post, entries, *, lam=1.5, rho=0.0, fisher=None, scope="global")
     )
 
 
-def mergekit_yaml(tmp_path: Path, config: str, name: str) -> dict[str, torch.Tensor]:
-    (tmp_path / f"{name}.yml").write_text(config)
-    result = run_cli("mergekit-yaml", str(tmp_path / f"{name}.yml"), str(tmp_path / name))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_model(tmp_path / name)
-
-
-def assert_identical(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
-
 
 MASKS = {
     "rho 0": {},
@@ -185,10 +181,10 @@ def test_delta_graft_is_bit_identical_to_donor_graft(tmp_path, tied_models, delt
     options = dict(MASKS[case])
     if "fisher" in options:
         options["fisher"] = {"diag": tied_diag_cache, "mixed": mixed_cache}[options["fisher"]]
-    reference = mergekit_yaml(tmp_path, config_yaml(m["post"], [
+    reference = mergekit_yaml_model(tmp_path, config_yaml(m["post"], [
         (m["donor"], "donor", None), (m["donor_ft"], "donor_ft", 0.7), (m["donor_ft2"], "donor_ft", -0.3),
     ], **options), "reference")
-    grafted = mergekit_yaml(tmp_path, config_yaml(m["post"], [
+    grafted = mergekit_yaml_model(tmp_path, config_yaml(m["post"], [
         (deltas["ft"], "delta", 0.7), (deltas["ft2"], "delta", -0.3),
     ], **options), "deltas")
     assert_identical(grafted, reference)
@@ -201,14 +197,14 @@ def test_delta_mixed_with_donor_ft_and_donor_is_bit_identical(tmp_path, tied_mod
     """donor + donor_ft + delta, and donor + deltas (fingerprint checked), equal the all-donor_ft graft."""
     m = tied_models
     options = {k: (mixed_cache if k == "fisher" else v) for k, v in MASKS[case].items()}
-    reference = mergekit_yaml(tmp_path, config_yaml(m["post"], [
+    reference = mergekit_yaml_model(tmp_path, config_yaml(m["post"], [
         (m["donor"], "donor", None), (m["donor_ft"], "donor_ft", 0.7), (m["donor_ft2"], "donor_ft", -0.3),
     ], **options), "reference")
-    mixed = mergekit_yaml(tmp_path, config_yaml(m["post"], [
+    mixed = mergekit_yaml_model(tmp_path, config_yaml(m["post"], [
         (m["donor"], "donor", None), (m["donor_ft"], "donor_ft", 0.7), (deltas["ft2"], "delta", -0.3),
     ], **options), "mixed")
     assert_identical(mixed, reference)
-    with_donor = mergekit_yaml(tmp_path, config_yaml(m["post"], [
+    with_donor = mergekit_yaml_model(tmp_path, config_yaml(m["post"], [
         (m["donor"], "donor", None), (deltas["ft"], "delta", 0.7), (deltas["ft2"], "delta", -0.3),
     ], **options), "with-donor")
     assert_identical(with_donor, reference)
@@ -216,7 +212,7 @@ def test_delta_mixed_with_donor_ft_and_donor_is_bit_identical(tmp_path, tied_mod
 
 def test_single_delta_graft_is_theta_post_plus_lambda_delta(tmp_path, tied_models, deltas):
     m = tied_models
-    out = mergekit_yaml(tmp_path, config_yaml(m["post"], [(deltas["ft"], "delta", None)], lam=0.5), "one")
+    out = mergekit_yaml_model(tmp_path, config_yaml(m["post"], [(deltas["ft"], "delta", None)], lam=0.5), "one")
     post, delta = read_model(m["post"]), read_model(deltas["ft"])
     for name, tensor in out.items():
         assert torch.equal(tensor, post[name] + delta[name] * 0.5), name

