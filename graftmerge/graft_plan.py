@@ -147,8 +147,8 @@ class GraftInputs:
 
         ``partial``: the post sources may hold a subset of the cache's model (in-memory
         callers pass only floating tensors); each given tensor must still fit the cache.
+        The caller has run ``plan.check()`` (before opening anything).
         """
-        plan.check()
         _check_same_tensors(post, [c for c in (donor, *fine_tunes, *(d.checkpoint for d in deltas)) if c is not None])
         _check_delta_donors(deltas, donor)
         fisher = None

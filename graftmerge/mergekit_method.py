@@ -145,6 +145,7 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
         rho_scope=shared["rho_scope"],
         mask=shared["mask"],
     )
+    plan.check()
     inputs = GraftInputs.from_sources(
         plan,
         source(first.base.id, f"post (input {first.base.id!r})"),
