@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -149,13 +147,7 @@ def main() -> None:
         args.workdir.mkdir(parents=True, exist_ok=True)
         build_inputs(args.workdir, args.max_new_tokens)
         estimator_throughput(args.workdir, args.batch_size, args.repeats)
-    if args.part == "all":
-        # Linux reports a child's peak RSS as at least its parent's peak at the spawn (vfork +
-        # exec), and this process has held whole models: time the merges from a fresh one.
-        sys.stdout.flush()
-        subprocess.run([sys.executable, __file__, "--workdir", str(args.workdir), "--repeats",
-                        str(args.repeats), "--part", "merges"], check=True)
-    elif args.part == "merges":
+    if args.part in ("all", "merges"):  # common.timed_run measures each merge's own peak RSS
         merges(args.workdir, args.repeats)
     print(f"load average ({args.part}) at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 
