@@ -37,6 +37,13 @@ def fisher() -> None:
     help="JSONL of prompts; completions are sampled from MODEL.",
 )
 @click.option("--samples-per-prompt", default=1, show_default=True)
+@click.option(
+    "--sample-batch-size",
+    default=16,
+    show_default=True,
+    metavar="N",
+    help="Prompts sampled together per forward (--prompts); the samples do not depend on it.",
+)
 @click.option("--max-new-tokens", default=256, show_default=True)
 @click.option("--temperature", default=1.0, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)

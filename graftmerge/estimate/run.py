@@ -35,7 +35,7 @@ from graftmerge.estimate.sampling import (
     check_sampling,
     eos_token_ids,
     prompt_generator,
-    sample_completions,
+    sample_batch,
 )
 from graftmerge.file_hash import file_sha256
 
@@ -50,6 +50,7 @@ class EstimateSettings:
     rollouts: Path | None = None
     prompts: Path | None = None
     samples_per_prompt: int = 1
+    sample_batch_size: int = 16
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -90,6 +91,7 @@ def _check(settings: EstimateSettings) -> None:
             settings.top_p,
             settings.samples_per_prompt,
             settings.max_new_tokens,
+            settings.sample_batch_size,
         )
 
 
@@ -105,26 +107,37 @@ def _sample_rollouts(
         return read_rollouts(saved, tokenizer)[0]
     prompts = read_prompts(settings.prompts, tokenizer)
     mine = []
-    indices = range(ranks.rank, len(prompts), ranks.world_size)
+    # this rank's prompts, similar lengths together (less padding); each keeps its own
+    # generator, so the grouping changes no sample
+    indices = sorted(
+        range(ranks.rank, len(prompts), ranks.world_size), key=lambda i: len(prompts[i][1])
+    )
+    size = settings.sample_batch_size
     bar = tqdm(
-        indices, desc="sampling", unit="prompt", disable=not (settings.progress and ranks.is_main)
+        total=len(indices),
+        desc="sampling",
+        unit="prompt",
+        disable=not (settings.progress and ranks.is_main),
     )
     eos = eos_token_ids(model)
-    for index in bar:
-        where, prompt = prompts[index]
-        completions = sample_completions(
+    for start in range(0, len(indices), size):
+        chunk = indices[start : start + size]
+        completions = sample_batch(
             model,
-            prompt,
+            [prompts[index][1] for index in chunk],
             samples=settings.samples_per_prompt,
             max_new_tokens=settings.max_new_tokens,
             temperature=settings.temperature,
             top_p=settings.top_p,
-            generator=prompt_generator(settings.seed, index, ranks.device),
+            generators=[prompt_generator(settings.seed, index, ranks.device) for index in chunk],
             eos_ids=eos,
         )
-        mine.append(
-            (index, [Rollout(prompt, c, f"{where} sample {k}") for k, c in enumerate(completions)])
-        )
+        for index, rows in zip(chunk, completions, strict=True):
+            where, prompt = prompts[index]
+            group = [Rollout(prompt, c, f"{where} sample {k}") for k, c in enumerate(rows)]
+            mine.append((index, group))
+        bar.update(len(chunk))
+    bar.close()
     everything = sorted(pair for part in distributed.all_gather(ranks, mine) for pair in part)
     return [rollout for _, group in everything for rollout in group]
 
@@ -186,6 +199,7 @@ def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch)
                 "top_p": settings.top_p,
                 "top_k": None,
                 "seed": settings.seed,
+                "sample_batch_size": settings.sample_batch_size,
             },
         }
         if ranks.is_main:
