@@ -47,6 +47,7 @@ class _LazyGroup(click.Group):
         "demo": ("graftmerge.cli.demo", "demo"),
         "plan": ("graftmerge.cli.plan", "plan"),
         "sweep": ("graftmerge.cli.sweep", "sweep"),
+        "suggest": ("graftmerge.cli.suggest", "suggest"),
         "delta": ("graftmerge.cli.delta", "delta"),
         "import-gguf": ("graftmerge.cli.import_gguf", "import_gguf"),
     }
@@ -72,6 +73,7 @@ def main() -> None:
     graftmerge merge graft.yml out/        run a graft config (same as mergekit-yaml)
     graftmerge demo                        tiny end-to-end graft on generated models
     graftmerge plan graft.yml --rho 0.001,0.01   what each ρ would mask (no model written)
+    graftmerge suggest graft.yml           propose rho (knee) and lambda (KL budget)
     graftmerge sweep graft.yml --lambda 0.5,1 --rho 0,0.01 -o DIR
                                            one model per (λ, ρ), inputs read once
     graftmerge fisher estimate MODEL ...   estimate a retention Fisher cache
