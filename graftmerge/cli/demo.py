@@ -1,5 +1,7 @@
-"""``graftmerge demo``: a complete graft on generated tiny models, explained as it runs.
+"""``graftmerge demo``: the paper's minimal model, then a complete graft on generated tiny models.
 
+Step 0 runs the gated-linear-experts model of the paper's §3 (a few seconds): the
+Eq. 1 routing ratio and SFT vs SFT + merge vs graft at matched task-B gain.
 Generates post / base / base-ft Qwen3-shaped checkpoints, estimates a diagonal
 retention Fisher of the post model from its own sampled rollouts (the same code
 as ``graftmerge fisher estimate --prompts``), grafts the
@@ -58,6 +60,7 @@ def demo(workdir: Path | None, rho: float, weight: float) -> None:
     with tempfile.TemporaryDirectory(prefix="graftmerge-demo-") as scratch:
         root = workdir or Path(scratch)
         root.mkdir(parents=True, exist_ok=True)
+        _minimal_model(root)
         click.echo(f"1. generating tiny Qwen3-shaped checkpoints in {root}")
         paths = make_graft_inputs(root)
         click.echo("2. graftmerge fisher estimate: diagonal retention Fisher of post from 16 of its own rollouts")
@@ -73,6 +76,30 @@ def demo(workdir: Path | None, rho: float, weight: float) -> None:
         click.echo(f"3. mergekit-yaml {config} {out}")
         _run_mergekit(config, out)
         _report(paths, out, root / "fisher-post-diag", weight)
+        _suggest(config)
+
+
+def _minimal_model(root: Path) -> None:
+    from graftmerge.demo.gated_experts import (
+        format_gated_experts,
+        plot_gated_experts,
+        run_gated_experts,
+    )
+
+    click.echo("0. the paper's minimal model (§3): two regression tasks, a gated mixture of two linear experts")
+    result = run_gated_experts()
+    click.echo("   " + format_gated_experts(result).replace("\n", "\n   "))
+    (root / "minimal_model.json").write_text(json.dumps(result, indent=1))
+    click.echo(f"   curves: {plot_gated_experts(result, root / 'minimal_model.png')}")
+
+
+def _suggest(config: Path) -> None:
+    from graftmerge.suggest import suggest_graft
+
+    click.echo(f"5. graftmerge suggest {config}: λ and ρ from the Fisher cache and the delta alone")
+    suggestion = suggest_graft(str(config), progress=False)
+    click.echo(f"   ρ = {suggestion.rho:g} ({suggestion.rho_reason}); λ = {suggestion.lam:.3g} "
+               f"(predicted old-task KL {suggestion.predicted_kl:.3g} nats/token, budget {suggestion.kl_budget:g})")
 
 
 def _run_mergekit(config: Path, out: Path) -> None:
