@@ -33,3 +33,29 @@ def test_demo_writes_consistent_artefacts(tmp_path: Path) -> None:
     changed = [name for name in post.tensors if not torch.equal(post.read(name), grafted.read(name))]
     assert changed, "the graft changed nothing"
     assert "masked" in result.stdout and "ρ = " in result.stdout
+
+
+def test_lm_demo_at_tiny_size(tmp_path: Path) -> None:
+    """Every stage of `graftmerge demo --lm` at a tiny size; consistency, not who wins."""
+    graftmerge = Path(sys.executable).with_name("graftmerge")
+    result = subprocess.run([str(graftmerge), "demo", "--tiny", "--workdir", str(tmp_path)], capture_output=True,
+                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "pareto.png").stat().st_size > 0
+    rows = {(r["method"], r["lam"], r["rho"]): r for r in results["rows"]}
+    post = rows["post", 0.0, None]
+    for key in (("graft", 0.0, 0.0), ("sft+merge", 0.0, None)):  # λ = 0 is θpost: the same scores exactly
+        assert {m: rows[key][m] for m in ("old", "new", "old_nll", "new_nll")} == \
+            {m: post[m] for m in ("old", "new", "old_nll", "new_nll")}
+    # task_arithmetic at weight 1 is the SFT model itself, up to float rounding of post + (ft − post)
+    assert abs(rows["sft+merge", 1.0, None]["new_nll"] - rows["sft", 1.0, None]["new_nll"]) < 1e-4
+    methods = {r["method"] for r in results["rows"]}
+    assert {"graft+diagonal", "graft+kfac", "suggest diagonal", "suggest kfac"} <= methods
+    seed = tmp_path / "seed-0"
+    manifest = json.loads((seed / "fisher" / "fisher_manifest.json").read_text())
+    entries = manifest["entries"]  # estimated by the real CLI, --kind both: KFAC and diagonal for linears
+    assert all({"kfac", "diagonal"} <= set(entries[n]) for n in entries if n.endswith("proj.weight"))
+    assert manifest["counts"]["sequences"] == 2 * 8  # 8 task-A prompts × 2 own rollouts
+    assert len(list((seed / "merges").iterdir())) == len(results["rows"]) - 2  # every merge but post / sft
+    assert "best graft" in result.stdout

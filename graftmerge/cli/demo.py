@@ -50,8 +50,22 @@ def write_prompts(path: Path, vocab_size: int, count: int = 8, seed: int = 0) ->
               help="Keep the generated models, cache and output here (default: a temporary folder).")
 @click.option("--rho", type=float, default=0.01, show_default=True, help="Fraction of directions to protect.")
 @click.option("--weight", type=float, default=0.5, show_default=True, help="λ of the grafted delta.")
-def demo(workdir: Path | None, rho: float, weight: float) -> None:
-    """Run a tiny end-to-end graft on generated checkpoints and print what it did."""
+@click.option("--lm", "size", flag_value="quick", default=None,
+              help="Instead: train a small LM here and compare SFT, SFT + merge and grafts (~minutes).")
+@click.option("--full", "size", flag_value="full", help="The --lm comparison at full size, 3 seeds (~30 min).")
+@click.option("--tiny", "size", flag_value="tiny", hidden=True)
+def demo(workdir: Path | None, rho: float, weight: float, size: str | None) -> None:
+    """Run a tiny end-to-end graft on generated checkpoints and print what it did.
+
+    With --lm (or --full) it trains its own small Qwen3 instead: pretraining (the donor),
+    post-training on an old task, new facts learned by SFT of the post model and by
+    fine-tuning the donor; then SFT + merging and grafts (no mask, diagonal, KFAC, and
+    `graftmerge suggest`'s point) through mergekit, scored on both tasks. Writes
+    results.json and pareto.png to --workdir.
+    """
+    if size is not None:
+        _lm_demo(workdir, size)
+        return
     from graftmerge import _import_hook
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
     from graftmerge.tiny import make_graft_inputs
@@ -77,6 +91,27 @@ def demo(workdir: Path | None, rho: float, weight: float) -> None:
         _run_mergekit(config, out)
         _report(paths, out, root / "fisher-post-diag", weight)
         _suggest(config)
+
+
+def _lm_demo(workdir: Path | None, size: str) -> None:
+    import transformers
+
+    from graftmerge.demo import lm_pipeline
+
+    transformers.utils.logging.disable_progress_bar()
+    settings = {"quick": lm_pipeline.QUICK, "full": lm_pipeline.FULL, "tiny": lm_pipeline.TINY}[size]
+    with tempfile.TemporaryDirectory(prefix="graftmerge-demo-lm-") as scratch:
+        root = workdir or Path(scratch)
+        root.mkdir(parents=True, exist_ok=True)
+        click.echo(f"training a small LM and comparing SFT, merging and grafts in {root}")
+        results = lm_pipeline.run_lm_demo(settings, root, echo=click.echo)
+        click.echo(lm_pipeline.format_table(results["rows"]))
+        for label, key in (("best graft", "best_graft"), ("best SFT + merge", "best_sft_merge")):
+            row = results[key]
+            click.echo(f"   {label} by (old + new)/2: {row['method']} λ {row['lam']} ρ {row['rho']}: "
+                       f"old {row['old']:.3f}, new {row['new']:.3f}")
+        click.echo(f"   λ = 0 merges score exactly as θpost: {results['lambda0_equals_post']}")
+        click.echo(f"   results: {root / 'results.json'}, plot: {root / 'pareto.png'}")
 
 
 def _minimal_model(root: Path) -> None:
