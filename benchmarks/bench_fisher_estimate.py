@@ -20,29 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+from common import small_qwen3
 
 from graftmerge.estimate.accumulator import FisherAccumulator
 from graftmerge.estimate.batching import pad_batch, plan_batches
 from graftmerge.estimate.retention_loss import summed_sequence_losses
 from graftmerge.estimate.rollouts import Rollout
-from graftmerge.tiny import tiny_qwen3_config
-
-
-def make_model(args):
-    from transformers import Qwen3ForCausalLM
-
-    config = tiny_qwen3_config(
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        intermediate_size=args.intermediate,
-        vocab_size=args.vocab,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        tie_word_embeddings=True,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(config).eval()
 
 
 def make_rollouts(args) -> list[Rollout]:
@@ -155,7 +138,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    model = make_model(args)
+    model = small_qwen3(args.hidden, args.layers, args.intermediate, args.vocab)
     parameters = sum(p.numel() for p in model.parameters())
     rollouts = make_rollouts(args)
     plan = plan_batches([r.length for r in rollouts], args.batch_size)

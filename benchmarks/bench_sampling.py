@@ -21,27 +21,9 @@ import statistics
 import time
 
 import torch
+from common import small_qwen3
 
 from graftmerge.estimate.sampling import prompt_generator, sample_batch
-from graftmerge.tiny import tiny_qwen3_config
-
-
-def make_model(args):
-    from transformers import Qwen3ForCausalLM
-
-    config = tiny_qwen3_config(
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        intermediate_size=args.intermediate,
-        vocab_size=args.vocab,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        tie_word_embeddings=True,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    dtype = getattr(torch, args.dtype)
-    return Qwen3ForCausalLM(config).to(device=args.device, dtype=dtype).eval()
 
 
 def make_prompts(args) -> list[list[int]]:
@@ -98,7 +80,7 @@ def main() -> None:
     if 1 not in sizes:
         sizes.insert(0, 1)
 
-    model = make_model(args)
+    model = small_qwen3(args.hidden, args.layers, args.intermediate, args.vocab, getattr(torch, args.dtype)).to(args.device)
     prompts = make_prompts(args)
     rollouts = args.prompts * args.samples
     parameters = sum(p.numel() for p in model.parameters())

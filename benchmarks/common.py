@@ -119,3 +119,17 @@ def time_merges(workdir: Path, configs: dict[str, str], repeats: int, between=No
         if between is not None:
             between()
     return results
+
+
+def small_qwen3(hidden: int, layers: int, intermediate: int, vocab: int, dtype: torch.dtype = torch.float32):
+    """A generated Qwen3 (8 heads, 4 KV heads, tied, sdpa) for the estimator and sampler benchmarks."""
+    from transformers import Qwen3ForCausalLM
+
+    from graftmerge.tiny import tiny_qwen3_config
+
+    config = tiny_qwen3_config(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
+                               vocab_size=vocab, num_attention_heads=8, num_key_value_heads=4,
+                               tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).to(dtype).eval()

@@ -213,3 +213,12 @@ def assert_identical(got: dict, expected: dict) -> None:
     assert got.keys() == expected.keys()
     for name in expected:
         assert got[name].dtype == expected[name].dtype and torch.equal(got[name], expected[name]), name
+
+
+def one_line_error(result) -> str:
+    """The CLI's contract for bad input: exit 2, one `error: ...` line, no traceback."""
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert "Traceback" not in result.output
+    return lines[0]

@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import graft_yaml, read_model, run_cli, spd
+from conftest import graft_yaml, one_line_error, read_model, run_cli, spd
 from safetensors import safe_open
 
 from graftmerge.checkpoint import Checkpoint
@@ -207,15 +207,6 @@ def offline(monkeypatch) -> None:
 
 def invoke(command, *args: str):
     return CliRunner().invoke(command, [*args, "-q"], catch_exceptions=False)
-
-
-def one_line_error(result) -> str:
-    """The CLI's contract for bad input: exit 2, one `error: ...` line, no traceback."""
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 # -- caches ---------------------------------------------------------------------------

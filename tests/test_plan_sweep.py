@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from conftest import (
     BIN,
     graft_yaml,
+    one_line_error,
     read_model,
     tree_digest,
     write_diagonal_cache,
@@ -205,13 +206,6 @@ def test_sweep_with_role_delta_inputs_equals_mergekit_yaml(tmp_path, tied_models
                                    cache_dir=tmp_path / f"cache-{lam}")
         assert reference.returncode == 0, reference.stderr[-3000:]
         assert_bitwise_equal(tmp_path / "sweep" / f"lambda-{lam!r}_rho-0.02", tmp_path / f"ref-{lam}")
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    return lines[0]
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,14 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import brute_force_graft, graft_yaml, read_model, tree_digest, write_mixed_cache
+from conftest import (
+    brute_force_graft,
+    graft_yaml,
+    one_line_error,
+    read_model,
+    tree_digest,
+    write_mixed_cache,
+)
 
 from graftmerge.checkpoint import Checkpoint
 from graftmerge.cli import main
@@ -310,13 +317,6 @@ def test_a_zero_delta_suggests_no_mask(tmp_path, tied_models, caches):
     assert (s.rho, s.knee_index, s.removed_share) == (0.0, None, [0.0] * len(s.rho_grid))
     assert (s.masked_quadratic, s.lam, s.lam_bound, s.predicted_kl) == (0.0, 1.0, "cap", 0.0)
     assert s.to_dict()["lam_unclamped"] is None and "rho: 0.0" in s.snippet() and "fisher" not in s.snippet()
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    return lines[0]
 
 
 @pytest.mark.parametrize(
