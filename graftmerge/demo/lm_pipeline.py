@@ -278,10 +278,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     for method in methods:
         points = [r for r in rows if r["method"] == method]
-        axes.scatter([p["new"] for p in points], [p["old"] for p in points], label=method, s=25)
+        dots = axes.scatter([p["new"] for p in points], [p["old"] for p in points], label=method, s=25)
         front = pareto(points)
-        if len(front) > 1:
-            axes.plot([p["new"] for p in front], [p["old"] for p in front], alpha=0.6)
+        if len(front) > 1:  # the frontier in its method's colour
+            axes.plot([p["new"] for p in front], [p["old"] for p in front], alpha=0.6,
+                      color=dots.get_facecolor()[0])
     axes.set_xlabel("new task: exact match on held-out phrasings")
     axes.set_ylabel("old task A: exact match")
     axes.set_title("graftmerge demo: new vs old task (per-method Pareto frontiers)")
