@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from click.testing import CliRunner
+from conftest import one_line_error
 
 from graftmerge.checkpoint import Checkpoint
+from graftmerge.cli import main
 
 
 def test_demo_writes_consistent_artefacts(tmp_path: Path) -> None:
@@ -38,10 +42,11 @@ def test_demo_writes_consistent_artefacts(tmp_path: Path) -> None:
 def test_lm_demo_at_tiny_size(tmp_path: Path) -> None:
     """Every stage of `graftmerge demo --lm` at a tiny size; consistency, not who wins."""
     graftmerge = Path(sys.executable).with_name("graftmerge")
-    result = subprocess.run([str(graftmerge), "demo", "--tiny", "--workdir", str(tmp_path)], capture_output=True,
-                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    result = subprocess.run([str(graftmerge), "demo", "--tiny", "--replay", "0.5", "--workdir", str(tmp_path)],
+                            capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
+    assert results["settings"]["replay"] == 0.5 and "task-A replay 0.5 per new example" in result.stdout
     assert (tmp_path / "pareto.png").stat().st_size > 0
     rows = {(r["method"], r["lam"], r["rho"]): r for r in results["rows"]}
     post = rows["post", 0.0, None]
@@ -59,3 +64,21 @@ def test_lm_demo_at_tiny_size(tmp_path: Path) -> None:
     assert manifest["counts"]["sequences"] == 2 * 8  # 8 task-A prompts × 2 own rollouts
     assert len(list((seed / "merges").iterdir())) == len(results["rows"]) - 2  # every merge but post / sft
     assert "best graft" in result.stdout
+    for mask in ("diagonal", "kfac"):  # the suggestion set against the best point of its own ρ sweep
+        landing = results["suggestion_vs_sweep"][mask]
+        suggested = next(r for r in results["rows"] if r["method"] == f"suggest {mask}")
+        assert landing["suggested"] == (suggested["old"] + suggested["new"]) / 2
+        assert landing["best"] == max((r["old"] + r["new"]) / 2 for r in results["rows"] if r["method"] == f"graft+{mask}")
+        assert landing["measured_nll_increase"] == suggested["old_nll"] - post["old_nll"]
+        assert landing["predicted_kl"] == results["suggestions"][0][mask]["predicted_kl"]  # one seed
+        assert f"suggest {mask} vs the best of its own ρ sweep" in result.stdout
+
+
+@pytest.mark.parametrize(("arguments", "expected"), [
+    (["--replay", "0.5"], "--replay applies to the small-LM comparison: add --lm or --full"),
+    (["--lm", "--replay", "-1"], "--replay -1: expected task-A replay examples per new-fact example in [0, 10]"),
+    (["--full", "--replay", "nan"], "--replay nan: expected"),
+])
+def test_demo_rejects_bad_replay(arguments: list[str], expected: str) -> None:
+    line = one_line_error(CliRunner().invoke(main, ["demo", *arguments]))
+    assert line.startswith(f"error: {expected}")

@@ -18,6 +18,8 @@ from pathlib import Path
 import click
 import torch
 
+from graftmerge.errors import GraftError
+
 DEMO_CONFIG = """\
 merge_method: graft
 base_model: {post}
@@ -54,7 +56,10 @@ def write_prompts(path: Path, vocab_size: int, count: int = 8, seed: int = 0) ->
               help="Instead: train a small LM here and compare SFT, SFT + merge and grafts (~minutes).")
 @click.option("--full", "size", flag_value="full", help="The --lm comparison at full size, 3 seeds (~30 min).")
 @click.option("--tiny", "size", flag_value="tiny", hidden=True)
-def demo(workdir: Path | None, rho: float, weight: float, size: str | None) -> None:
+@click.option("--replay", type=float, default=None,
+              help="With --lm/--full: task-A replay examples per new-fact example while learning the new "
+                   "facts [default: 0.25]. 0 = plain off-policy SFT, the paper's setting, where SFT forgets.")
+def demo(workdir: Path | None, rho: float, weight: float, size: str | None, replay: float | None) -> None:
     """Run a tiny end-to-end graft on generated checkpoints and print what it did.
 
     With --lm (or --full) it trains its own small Qwen3 instead: pretraining (the donor),
@@ -63,8 +68,12 @@ def demo(workdir: Path | None, rho: float, weight: float, size: str | None) -> N
     `graftmerge suggest`'s point) through mergekit, scored on both tasks. Writes
     results.json and pareto.png to --workdir.
     """
+    if replay is not None and size is None:
+        raise GraftError("--replay applies to the small-LM comparison: add --lm or --full")
+    if replay is not None and not 0 <= replay <= 10:
+        raise GraftError(f"--replay {replay:g}: expected task-A replay examples per new-fact example in [0, 10]")
     if size is not None:
-        _lm_demo(workdir, size)
+        _lm_demo(workdir, size, replay)
         return
     from graftmerge import _import_hook
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
@@ -93,23 +102,33 @@ def demo(workdir: Path | None, rho: float, weight: float, size: str | None) -> N
         _suggest(config)
 
 
-def _lm_demo(workdir: Path | None, size: str) -> None:
+def _lm_demo(workdir: Path | None, size: str, replay: float | None) -> None:
+    import dataclasses
+
     import transformers
 
     from graftmerge.demo import lm_pipeline
 
     transformers.utils.logging.disable_progress_bar()
     settings = {"quick": lm_pipeline.QUICK, "full": lm_pipeline.FULL, "tiny": lm_pipeline.TINY}[size]
+    if replay is not None:
+        settings = dataclasses.replace(settings, replay=replay)
     with tempfile.TemporaryDirectory(prefix="graftmerge-demo-lm-") as scratch:
         root = workdir or Path(scratch)
         root.mkdir(parents=True, exist_ok=True)
-        click.echo(f"training a small LM and comparing SFT, merging and grafts in {root}")
+        click.echo(f"training a small LM and comparing SFT, merging and grafts in {root} "
+                   f"(task-A replay {settings.replay:g} per new example)")
         results = lm_pipeline.run_lm_demo(settings, root, echo=click.echo)
         click.echo(lm_pipeline.format_table(results["rows"]))
         for label, key in (("best graft", "best_graft"), ("best SFT + merge", "best_sft_merge")):
             row = results[key]
-            click.echo(f"   {label} by (old + new)/2: {row['method']} λ {row['lam']} ρ {row['rho']}: "
+            click.echo(f"   {label} by (old + new)/2: {row['method']} λ {row['lam']:.3g} ρ {row['rho']}: "
                        f"old {row['old']:.3f}, new {row['new']:.3f}")
+        for mask, landing in results["suggestion_vs_sweep"].items():
+            click.echo(f"   suggest {mask} vs the best of its own ρ sweep by (old + new)/2: "
+                       f"{landing['suggested']:.3f} vs {landing['best']:.3f} (ρ {landing['best_rho']:g}); "
+                       f"predicted old-task KL {landing['predicted_kl']:.2g} nats/token, "
+                       f"measured old-task NLL increase {landing['measured_nll_increase']:.2g}")
         click.echo(f"   λ = 0 merges score exactly as θpost: {results['lambda0_equals_post']}")
         click.echo(f"   results: {root / 'results.json'}, plot: {root / 'pareto.png'}")
 

@@ -256,11 +256,33 @@ def best(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return max(rows, key=lambda r: (r["old"] + r["new"]) / 2)
 
 
+def suggestion_vs_sweep(rows: list[dict[str, Any]], runs: list[SeedRun]) -> dict[str, dict[str, float]]:
+    """Where each mask's suggested point lands against the best point of that mask's ρ sweep.
+
+    Also sets the suggestion's predicted old-task KL (its quadratic model, mean over seeds)
+    beside the measured increase of θpost's old-task answer NLL per token, a proxy for
+    that KL when θpost answers task A (nearly) deterministically.
+    """
+    post = next(r for r in rows if r["method"] == "post")
+    landings = {}
+    for mask in ("diagonal", "kfac"):
+        suggested = next(r for r in rows if r["method"] == f"suggest {mask}")
+        top = best([r for r in rows if r["method"] == f"graft+{mask}"])
+        landings[mask] = {
+            "suggested": (suggested["old"] + suggested["new"]) / 2,
+            "best": (top["old"] + top["new"]) / 2,
+            "best_rho": top["rho"],
+            "predicted_kl": statistics.fmean(run.suggestions[mask]["predicted_kl"] for run in runs),
+            "measured_nll_increase": suggested["old_nll"] - post["old_nll"],
+        }
+    return landings
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [f"   {'method':18s} {'λ':>6s} {'ρ':>8s}  {'old task A':>14s}  {'new (held-out)':>14s}"]
     for r in rows:
         lam = "" if r["lam"] is None else f"{r['lam']:.3g}"
-        rho = "" if r["rho"] is None else f"{r['rho']:g}"
+        rho = "" if r["rho"] is None else f"{r['rho']:.3g}"
         spread = r["seeds"] > 1
         old = f"{r['old']:.3f}" + (f"±{r['old_sd']:.3f}" if spread else "")
         new = f"{r['new']:.3f}" + (f"±{r['new_sd']:.3f}" if spread else "")
@@ -268,7 +290,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+def plot(rows: list[dict[str, Any]], path: Path, replay: float) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -276,16 +298,20 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
 
     figure, axes = plt.subplots(figsize=(7, 5))
     methods = list(dict.fromkeys(r["method"] for r in rows))
+    references = {"post": dict(marker="*", s=160, color="black"), "sft": dict(marker="X", s=90, color="tab:orange")}
     for method in methods:
         points = [r for r in rows if r["method"] == method]
-        dots = axes.scatter([p["new"] for p in points], [p["old"] for p in points], label=method, s=25)
+        style = references.get(method, dict(s=25))  # θpost and SFT on top: merges at λ = 0 / 1 sit on them
+        dots = axes.scatter([p["new"] for p in points], [p["old"] for p in points], label=method,
+                            zorder=3 if method in references else 2, **style)
         front = pareto(points)
         if len(front) > 1:  # the frontier in its method's colour
             axes.plot([p["new"] for p in front], [p["old"] for p in front], alpha=0.6,
                       color=dots.get_facecolor()[0])
     axes.set_xlabel("new task: exact match on held-out phrasings")
     axes.set_ylabel("old task A: exact match")
-    axes.set_title("graftmerge demo: new vs old task (per-method Pareto frontiers)")
+    axes.set_title(f"graftmerge demo: new vs old task, task-A replay {replay:g} (per-method Pareto frontiers)",
+                   fontsize=10)
     axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -307,12 +333,13 @@ def run_lm_demo(settings: LmDemoSettings, root: Path, echo: Callable[[str], None
         "rows": rows,
         "best_graft": best(sweep),
         "best_sft_merge": best([r for r in rows if r["method"] == "sft+merge"]),
+        "suggestion_vs_sweep": suggestion_vs_sweep(rows, runs),
         "suggestions": [run.suggestions for run in runs],
         "donor_ft": [run.donor_ft for run in runs],
         "parameters": runs[0].parameters,
         "lambda0_equals_post": True,  # check_lambda_zero raised otherwise
     }
     (root / "results.json").write_text(json.dumps(results, indent=1))
-    plot(rows, root / "pareto.png")
+    plot(rows, root / "pareto.png", settings.replay)
     return results
 
