@@ -53,12 +53,12 @@ def write_prompts(path: Path, vocab_size: int, count: int = 8, seed: int = 0) ->
 @click.option("--rho", type=float, default=0.01, show_default=True, help="Fraction of directions to protect.")
 @click.option("--weight", type=float, default=0.5, show_default=True, help="λ of the grafted delta.")
 @click.option("--lm", "size", flag_value="quick", default=None,
-              help="Instead: train a small LM here and compare SFT, SFT + merge and grafts (~minutes).")
-@click.option("--full", "size", flag_value="full", help="The --lm comparison at full size, 3 seeds (~30 min).")
+              help="Instead: train a small LM here and compare SFT, SFT + merge and grafts (~2.5 min on 2 cores).")
+@click.option("--full", "size", flag_value="full", help="The --lm comparison at full size, 3 seeds (~15 min on 2 cores).")
 @click.option("--tiny", "size", flag_value="tiny", hidden=True)
 @click.option("--replay", type=float, default=None,
               help="With --lm/--full: task-A replay examples per new-fact example while learning the new "
-                   "facts [default: 0.25]. 0 = plain off-policy SFT, the paper's setting, where SFT forgets.")
+                   "facts [default: 0.25]. 0 = SFT sees no task A at all, and forgets it.")
 def demo(workdir: Path | None, rho: float, weight: float, size: str | None, replay: float | None) -> None:
     """Run a tiny end-to-end graft on generated checkpoints and print what it did.
 

@@ -290,6 +290,19 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# θpost and SFT drawn on top (the merges at λ = 0 and 1 sit on them); a suggestion in its mask's colour
+PLOT_STYLES: dict[str, dict[str, Any]] = {
+    "post": {"marker": "*", "s": 160, "color": "black", "zorder": 3},
+    "sft": {"marker": "X", "s": 90, "color": "tab:orange", "zorder": 3},
+    "sft+merge": {"s": 25, "color": "tab:blue"},
+    "graft": {"s": 25, "color": "tab:red"},
+    "graft+diagonal": {"s": 25, "color": "tab:green"},
+    "suggest diagonal": {"marker": "D", "s": 60, "color": "tab:green", "edgecolors": "black", "zorder": 3},
+    "graft+kfac": {"s": 25, "color": "tab:purple"},
+    "suggest kfac": {"marker": "D", "s": 60, "color": "tab:purple", "edgecolors": "black", "zorder": 3},
+}
+
+
 def plot(rows: list[dict[str, Any]], path: Path, replay: float) -> Path:
     import matplotlib
 
@@ -298,16 +311,13 @@ def plot(rows: list[dict[str, Any]], path: Path, replay: float) -> Path:
 
     figure, axes = plt.subplots(figsize=(7, 5))
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    references = {"post": dict(marker="*", s=160, color="black"), "sft": dict(marker="X", s=90, color="tab:orange")}
     for method in methods:
         points = [r for r in rows if r["method"] == method]
-        style = references.get(method, dict(s=25))  # θpost and SFT on top: merges at λ = 0 / 1 sit on them
-        dots = axes.scatter([p["new"] for p in points], [p["old"] for p in points], label=method,
-                            zorder=3 if method in references else 2, **style)
+        style = PLOT_STYLES.get(method, {"s": 25})
+        axes.scatter([p["new"] for p in points], [p["old"] for p in points], label=method, **style)
         front = pareto(points)
         if len(front) > 1:  # the frontier in its method's colour
-            axes.plot([p["new"] for p in front], [p["old"] for p in front], alpha=0.6,
-                      color=dots.get_facecolor()[0])
+            axes.plot([p["new"] for p in front], [p["old"] for p in front], alpha=0.6, color=style.get("color"))
     axes.set_xlabel("new task: exact match on held-out phrasings")
     axes.set_ylabel("old task A: exact match")
     axes.set_title(f"graftmerge demo: new vs old task, task-A replay {replay:g} (per-method Pareto frontiers)",
