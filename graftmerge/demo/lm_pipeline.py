@@ -50,7 +50,7 @@ class LmDemoSettings:
     replay: float = 0.25
     seeds: tuple[int, ...] = (0,)
     lambdas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5)
-    mask_lambda: float = 1.0
+    mask_lambdas: tuple[float, ...] = (1.0,)  # each masked graft's ρ sweep is run at every one of these
     diagonal_rhos: tuple[float, ...] = (0.001, 0.01, 0.1)
     kfac_rhos: tuple[float, ...] = (0.0001, 0.001, 0.01)
     fisher_prompts: int = 64
@@ -62,11 +62,13 @@ FULL = LmDemoSettings(
     size=ModelSize(hidden_size=192, intermediate_size=512), pretrain_steps=2500, seeds=(0, 1, 2),
     lambdas=(0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
     diagonal_rhos=(0.0001, 0.001, 0.003, 0.01, 0.03, 0.1), kfac_rhos=(0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01),
+    mask_lambdas=(1.0, 1.5, 2.0),
 )
 TINY = LmDemoSettings(  # the test suite's size: every stage, seconds
     size=ModelSize(hidden_size=32, num_hidden_layers=1, intermediate_size=64),
     known_entities=8, new_entities=4, pretrain_examples=500, pretrain_steps=30, post_steps=10,
-    finetune_steps=10, lambdas=(0.0, 1.0), diagonal_rhos=(0.01,), kfac_rhos=(0.01,), fisher_prompts=8,
+    finetune_steps=10, lambdas=(0.0, 1.0), diagonal_rhos=(0.01,), kfac_rhos=(0.01,), mask_lambdas=(1.0, 2.0),
+    fisher_prompts=8,
     old_test=40,
 )
 
@@ -192,9 +194,10 @@ def run_seed(settings: LmDemoSettings, seed: int, root: Path, echo: Callable[[st
                                                                         lam=lam), lam, None)
         configs[f"graft-l{lam:g}"] = ("graft", graft_config(paths, lam, 0, None), lam, 0.0)
     for mask, rhos in (("diagonal", settings.diagonal_rhos), ("kfac", settings.kfac_rhos)):
-        for rho in rhos:
-            configs[f"graft_{mask}-r{rho:g}"] = (f"graft+{mask}", graft_config(paths, settings.mask_lambda, rho, mask),
-                                                settings.mask_lambda, rho)
+        for lam in settings.mask_lambdas:
+            for rho in rhos:
+                configs[f"graft_{mask}-r{rho:g}-l{lam:g}"] = (f"graft+{mask}", graft_config(paths, lam, rho, mask),
+                                                             lam, rho)
         probe = root / f"suggest-{mask}.yml"
         probe.write_text(graft_config(paths, 1.0, 0.01, mask))
         suggestion = suggest_graft(str(probe), progress=False)
