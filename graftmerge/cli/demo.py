@@ -54,7 +54,7 @@ def write_prompts(path: Path, vocab_size: int, count: int = 8, seed: int = 0) ->
 @click.option("--weight", type=float, default=0.5, show_default=True, help="λ of the grafted delta.")
 @click.option("--lm", "size", flag_value="quick", default=None,
               help="Instead: train a small LM here and compare SFT, SFT + merge and grafts (~2.5 min on 2 cores).")
-@click.option("--full", "size", flag_value="full", help="The --lm comparison at full size, 3 seeds (~15 min on 2 cores).")
+@click.option("--full", "size", flag_value="full", help="The --lm comparison at full size, 3 seeds, masks also at λ 1.5 and 2 (~20–25 min on 2 cores).")
 @click.option("--tiny", "size", flag_value="tiny", hidden=True)
 @click.option("--replay", type=float, default=None,
               help="With --lm/--full: task-A replay examples per new-fact example while learning the new "
