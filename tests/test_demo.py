@@ -48,6 +48,7 @@ def test_lm_demo_at_tiny_size(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["settings"]["replay"] == 0.5 and "task-A replay 0.5 per new example" in result.stdout
     assert (tmp_path / "pareto.png").stat().st_size > 0
+    assert f"results: {tmp_path / 'results.json'}, plot: {tmp_path / 'pareto.png'}" in result.stdout
     rows = {(r["method"], r["lam"], r["rho"]): r for r in results["rows"]}
     post = rows["post", 0.0, None]
     for key in (("graft", 0.0, 0.0), ("sft+merge", 0.0, None)):  # λ = 0 is θpost: the same scores exactly

@@ -130,7 +130,11 @@ def _lm_demo(workdir: Path | None, size: str, replay: float | None) -> None:
                        f"predicted old-task KL {landing['predicted_kl']:.2g} nats/token, "
                        f"measured old-task NLL increase {landing['measured_nll_increase']:.2g}")
         click.echo(f"   λ = 0 merges score exactly as θpost: {results['lambda0_equals_post']}")
-        click.echo(f"   results: {root / 'results.json'}, plot: {root / 'pareto.png'}")
+        if workdir is None:
+            click.echo("   results.json and pareto.png were written to a temporary folder, removed now: "
+                       "add --workdir DIR to keep them")
+        else:
+            click.echo(f"   results: {root / 'results.json'}, plot: {root / 'pareto.png'}")
 
 
 def _minimal_model(root: Path) -> None:
