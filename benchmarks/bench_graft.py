@@ -40,8 +40,8 @@ def build_inputs(workdir: Path, config, with_fisher: bool = True) -> None:
         if not (workdir / name).exists():
             write_checkpoint(workdir / name, config, derived(scale))
     if with_fisher and not (workdir / "fisher-diag").exists():
-        from graftmerge.checkpoint import Checkpoint
-        from graftmerge.fisher import FisherCacheWriter
+        from graftmerge.formats.checkpoint import Checkpoint
+        from graftmerge.formats.fisher_cache import FisherCacheWriter
 
         post = Checkpoint(workdir / "post")
         with FisherCacheWriter(workdir / "fisher-diag", model=workdir / "post", max_shard_bytes=500_000_000) as w:
@@ -110,7 +110,7 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(f"building inputs in {args.workdir} ...", flush=True)
     build_inputs(args.workdir, config)
-    from graftmerge.checkpoint import Checkpoint
+    from graftmerge.formats.checkpoint import Checkpoint
 
     params = sum(info.numel for info in Checkpoint(args.workdir / "post").tensors.values())
     print(f"model: {params / 1e9:.3f}B parameters, bf16, tied embeddings; torch threads {torch.get_num_threads()}")

@@ -26,7 +26,7 @@ import torch
 from bench_graft import CONFIGS, build_inputs
 from common import qwen3_config, time_merges
 
-from graftmerge.fisher import KfacFactors
+from graftmerge.formats.fisher_cache import KfacFactors
 from graftmerge.math.projection import TensorFisher, remove_masked, score_delta
 from graftmerge.math.selection import mask_from_threshold
 
@@ -86,8 +86,8 @@ def projection_benchmark(d_out: int = 3072, d_in: int = 1024) -> None:
 
 
 def write_kfac_cache(workdir: Path) -> Path:
-    from graftmerge.checkpoint import Checkpoint
-    from graftmerge.fisher import FisherCacheWriter
+    from graftmerge.formats.checkpoint import Checkpoint
+    from graftmerge.formats.fisher_cache import FisherCacheWriter
 
     path = workdir / "fisher-kfac"
     if path.exists():
@@ -121,10 +121,10 @@ def count_and_profile(workdir: Path) -> None:
     from mergekit.options import MergeOptions
     from torch.profiler import ProfilerActivity, profile
 
-    from graftmerge import _import_hook
+    from graftmerge.adapter import import_hook
     from graftmerge.math.projection import KFAC_ROTATIONS
 
-    _import_hook.install()
+    import_hook.install()
     from mergekit.merge import run_merge
 
     config = MergeConfiguration.model_validate(yaml.safe_load(KFAC_CONFIG.format(w=workdir.resolve())))

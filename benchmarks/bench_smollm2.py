@@ -64,8 +64,8 @@ out_dtype: bfloat16
 def build_inputs(workdir: Path, max_new_tokens: int) -> None:
     """post (imported), own-sample rollouts + diagonal Fisher, donor, donor_ft; each only if missing."""
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
-    from graftmerge.gguf_import import import_gguf
-    from graftmerge.smollm2_demo import fine_tune_on_facts, make_noisy_donor, smollm2_gguf
+    from graftmerge.formats.gguf_import import import_gguf
+    from graftmerge.testing.smollm2 import fine_tune_on_facts, make_noisy_donor, smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:
@@ -119,7 +119,7 @@ def estimator_throughput(workdir: Path, batch_size: int, repeats: int) -> None:
 
 
 def merges(workdir: Path, repeats: int) -> None:
-    from graftmerge.checkpoint import Checkpoint
+    from graftmerge.formats.checkpoint import Checkpoint
 
     params = sum(info.numel for info in Checkpoint(workdir / "post").tensors.values())
     print(f"\n(b) whole-model merges: {params / 1e6:.1f}M parameters, float32 inputs, out bfloat16, "

@@ -22,7 +22,7 @@ def main() -> None:
         total = 0
         for line in result.stderr.splitlines():
             parts = line.split("|")
-            if len(parts) == 3 and parts[2].strip() in ("graftmerge", "graftmerge._import_hook"):
+            if len(parts) == 3 and parts[2].strip() in ("graftmerge", "graftmerge.adapter.import_hook"):
                 total = max(total, int(parts[1]))  # cumulative µs of the outermost graftmerge import
         hook_us.append(total)
     print(f"python -c pass: {statistics.median(walls) * 1e3:.1f} ms wall (median of 20)")

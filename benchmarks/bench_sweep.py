@@ -38,7 +38,7 @@ out_dtype: bfloat16
 
 
 def same_tensors(a: Path, b: Path) -> bool:
-    from graftmerge.checkpoint import Checkpoint
+    from graftmerge.formats.checkpoint import Checkpoint
 
     left, right = Checkpoint(a), Checkpoint(b)
     if left.tensors.keys() != right.tensors.keys():
@@ -57,7 +57,7 @@ def main() -> None:
     w.mkdir(parents=True, exist_ok=True)
     print(f"building inputs in {w} ...", flush=True)
     build_inputs(w, config)
-    from graftmerge.checkpoint import Checkpoint
+    from graftmerge.formats.checkpoint import Checkpoint
 
     params = sum(info.numel for info in Checkpoint(w / "post").tensors.values())
     print(f"model: {params / 1e9:.3f}B parameters, bf16; grid λ {LAMBDAS} × ρ {RHOS}; "

@@ -125,7 +125,7 @@ def small_qwen3(hidden: int, layers: int, intermediate: int, vocab: int, dtype: 
     """A generated Qwen3 (8 heads, 4 KV heads, tied, sdpa) for the estimator and sampler benchmarks."""
     from transformers import Qwen3ForCausalLM
 
-    from graftmerge.tiny import tiny_qwen3_config
+    from graftmerge.testing.tiny_models import tiny_qwen3_config
 
     config = tiny_qwen3_config(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
                                vocab_size=vocab, num_attention_heads=8, num_key_value_heads=4,

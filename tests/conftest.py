@@ -15,9 +15,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from graftmerge.checkpoint import Checkpoint
-from graftmerge.fisher import FisherCacheWriter, open_fisher_cache
-from graftmerge.tiny import make_graft_inputs, save_tiny_model
+from graftmerge.formats.checkpoint import Checkpoint
+from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
+from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model
 
 BIN = Path(sys.executable).parent
 

@@ -32,9 +32,9 @@ from test_estimate_support import (
 )
 from test_graft_mergekit import assert_within_one_ulp, task_arithmetic_yaml
 
-from graftmerge.fisher import open_fisher_cache
-from graftmerge.graft_plan import FineTune, GraftInputs, GraftPlan
-from graftmerge.tiny import make_graft_inputs
+from graftmerge.formats.fisher_cache import open_fisher_cache
+from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
+from graftmerge.testing.tiny_models import make_graft_inputs
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 48, "vocab_size": 128}
 CASES = [("llama", True), ("qwen3", True), ("qwen3", False), ("qwen2", False), ("gpt2", True)]

@@ -24,7 +24,7 @@ from conftest import (
 )
 from safetensors.torch import load_file, save_file
 
-from graftmerge import _import_hook
+from graftmerge.adapter import import_hook
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ EXPECTED = {
 
 
 def _invoke(tool: str, config: Path, out: Path):
-    _import_hook.install()
+    import_hook.install()
     if tool == "mergekit-yaml":
         from mergekit.scripts.run_yaml import main
     else:

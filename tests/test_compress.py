@@ -25,9 +25,9 @@ from conftest import (
 
 from graftmerge.cli import main
 from graftmerge.errors import GraftError
-from graftmerge.fisher import FisherCacheWriter, open_fisher_cache
-from graftmerge.fisher.compress import compress_cache, delta_report, truncate_side
-from graftmerge.graft_plan import FineTune, GraftInputs, GraftPlan
+from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
+from graftmerge.pipeline.fisher_compress import compress_cache, delta_report, truncate_side
+from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
 
 TINY = torch.finfo(torch.float32).tiny
 

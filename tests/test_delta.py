@@ -29,19 +29,19 @@ from conftest import (
 )
 from safetensors.torch import save_file
 
-from graftmerge import _import_hook
-from graftmerge.checkpoint import Checkpoint
+from graftmerge.adapter import import_hook
 from graftmerge.cli import main
-from graftmerge.delta.manifest import MANIFEST_NAME, sampled_digest
-from graftmerge.fisher import open_fisher_cache
-from graftmerge.tiny import make_graft_inputs
+from graftmerge.formats.checkpoint import Checkpoint
+from graftmerge.formats.delta_folder import MANIFEST_NAME, sampled_digest
+from graftmerge.formats.fisher_cache import open_fisher_cache
+from graftmerge.testing.tiny_models import make_graft_inputs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def invoke(*args: str):
     """``graftmerge ARGS`` in this process."""
-    _import_hook.install()
+    import_hook.install()
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
@@ -71,7 +71,7 @@ def mixed_cache(tied_models, tmp_path_factory) -> Path:
 
 
 def test_extract_streams_shards_and_records_both_sources(tmp_path, tied_models, monkeypatch):
-    import graftmerge.delta.extract as extract_module
+    import graftmerge.pipeline.delta_extract as extract_module
 
     m = tied_models
     watched = [m["donor"], m["donor_ft"]]
@@ -219,8 +219,8 @@ def test_single_delta_graft_is_theta_post_plus_lambda_delta(tmp_path, tied_model
 
 
 def test_threshold_cache_key_follows_the_delta_files(tmp_path, tied_models, deltas, tied_diag_cache):
-    from graftmerge.graft_plan import FineTune, GraftInputs, GraftPlan
-    from graftmerge.threshold_pass import threshold_key
+    from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
+    from graftmerge.pipeline.threshold_pass import threshold_key
 
     copied = copy_model(deltas["ft"], tmp_path / "delta-copy")
     plan = GraftPlan(post=str(tied_models["post"]), donor=None, fine_tunes=(), deltas=(FineTune(str(copied), 1.0),),
@@ -257,8 +257,8 @@ def top_by_fisher(flat_fisher: torch.Tensor, top: float) -> torch.Tensor:
 @pytest.mark.parametrize("cache_kind", ["diagonal", "mixed"])
 @pytest.mark.parametrize("top", [0.01, 0.2])
 def test_stats_match_brute_force(tied_models, deltas, tied_diag_cache, mixed_cache, cache_kind, top):
-    from graftmerge.delta.stats import compute_stats
     from graftmerge.math.delta_stats import block_of
+    from graftmerge.pipeline.delta_report import compute_stats
 
     fisher_path = tied_diag_cache if cache_kind == "diagonal" else mixed_cache
     stats = compute_stats(deltas["ft"], fisher_path, top=top, progress=False)
@@ -304,7 +304,7 @@ def png_size(file: Path) -> tuple[int, int]:
 
 
 def test_stats_cli_prints_table_and_writes_png_and_json(tmp_path, deltas, mixed_cache):
-    from graftmerge.delta.stats import compute_stats
+    from graftmerge.pipeline.delta_report import compute_stats
 
     plot, numbers = tmp_path / "plots" / "delta.png", tmp_path / "delta.json"
     result = invoke("delta", "stats", deltas["ft"], "--fisher", mixed_cache, "--plot", plot, "--json", numbers, "-q")

@@ -13,8 +13,8 @@ import torch
 from click.testing import CliRunner
 from conftest import one_line_error
 
-from graftmerge.checkpoint import Checkpoint
 from graftmerge.cli import main
+from graftmerge.formats.checkpoint import Checkpoint
 
 
 def test_demo_writes_consistent_artefacts(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from test_estimate_support import (
 )
 
 from graftmerge.cli import main
-from graftmerge.fisher import open_fisher_cache
+from graftmerge.formats.fisher_cache import open_fisher_cache
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ from test_estimate_support import caches_close, make_model, random_rollouts, wri
 from graftmerge.errors import GraftError
 from graftmerge.estimate.checkpointing import checkpoint_folder
 from graftmerge.estimate.run import EstimateSettings, estimate_fisher
-from graftmerge.fisher import open_fisher_cache
+from graftmerge.formats.fisher_cache import open_fisher_cache
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_two_process_torchrun_equals_one_process(setup, tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "graftmerge.estimate", "estimate", str(post), "-o", str(tmp_path / "torchrun"),
+        "-m", "graftmerge", "fisher", "estimate", str(post), "-o", str(tmp_path / "torchrun"),
         "--kind", "both", "--rollouts", str(data), "--batch-size", "2",
         "--accumulator-dtype", "float64", "--no-progress",
     ]  # fmt: skip

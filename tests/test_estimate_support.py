@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from graftmerge.estimate.rollouts import Rollout
-from graftmerge.tiny import save_tiny_model
+from graftmerge.testing.tiny_models import save_tiny_model
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 48, "vocab_size": 128}
 
@@ -163,7 +163,7 @@ def save_tiny_tokenizer(folder: Path) -> None:
 
 def caches_close(a_path: Path, b_path: Path, rtol: float) -> float:
     """Largest relative difference between two caches (diagonals and KFAC eigenvalues/matrices)."""
-    from graftmerge.fisher import open_fisher_cache
+    from graftmerge.formats.fisher_cache import open_fisher_cache
 
     a, b = open_fisher_cache(a_path), open_fisher_cache(b_path)
     assert a.names("diagonal") == b.names("diagonal") and a.names("kfac") == b.names("kfac")

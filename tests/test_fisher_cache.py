@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from graftmerge.checkpoint import Checkpoint
 from graftmerge.errors import GraftError
-from graftmerge.fisher import MANIFEST_NAME, FisherCacheWriter, open_fisher_cache
+from graftmerge.formats.checkpoint import Checkpoint
+from graftmerge.formats.fisher_cache import MANIFEST_NAME, FisherCacheWriter, open_fisher_cache
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"

@@ -12,7 +12,7 @@ import torch
 from conftest import brute_force_graft, graft_yaml, read_model, run_cli, write_diagonal_cache
 from safetensors.torch import save_file
 
-from graftmerge.fisher import open_fisher_cache
+from graftmerge.formats.fisher_cache import open_fisher_cache
 
 
 def merge(tmp_path: Path, config: str, name: str = "out", *extra: str, tool=("mergekit-yaml",)) -> Path:
@@ -49,11 +49,11 @@ def test_stock_mergekit_knows_graft():
 
 
 def test_registering_twice_is_harmless():
-    from graftmerge import _import_hook
-    from graftmerge.mergekit_method import register_graft
+    from graftmerge.adapter import import_hook
+    from graftmerge.adapter.merge_method import register_graft
 
-    _import_hook.install()
-    _import_hook.install()
+    import_hook.install()
+    import_hook.install()
     from mergekit import merge_methods
 
     register_graft()
@@ -64,7 +64,7 @@ def test_registering_twice_is_harmless():
 def test_interpreter_startup_imports_nothing_heavy():
     code = "import sys; print(sorted(m for m in sys.modules if m.startswith(('torch', 'mergekit', 'graftmerge.'))))"
     result = run_cli("python", "-c", code)
-    assert result.stdout.strip() == "['graftmerge._import_hook']", result.stdout
+    assert result.stdout.strip() == "['graftmerge.adapter', 'graftmerge.adapter.import_hook']", result.stdout
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
@@ -230,10 +230,10 @@ def test_kernel_uses_the_validated_plan_and_one_threshold_pass(tmp_path, tied_mo
     from click.testing import CliRunner
     from mergekit.scripts.run_yaml import main
 
-    import graftmerge.threshold_pass as threshold_pass
-    from graftmerge import _import_hook
+    import graftmerge.pipeline.threshold_pass as threshold_pass
+    from graftmerge.adapter import import_hook
 
-    _import_hook.install()
+    import_hook.install()
     calls = []
     original = threshold_pass.compute_global_threshold
     monkeypatch.setattr(threshold_pass, "compute_global_threshold", lambda *a, **k: calls.append(1) or original(*a, **k))

@@ -22,12 +22,12 @@ from click.testing import CliRunner
 from conftest import graft_yaml, one_line_error, read_model, run_cli, spd
 from safetensors import safe_open
 
-from graftmerge.checkpoint import Checkpoint
 from graftmerge.cli.hub import delta_pull, delta_push, fisher_pull, fisher_push
 from graftmerge.errors import GraftError
-from graftmerge.fisher import FisherCacheWriter, open_fisher_cache
-from graftmerge.graft_plan import resolve_fisher_folder
+from graftmerge.formats.checkpoint import Checkpoint
+from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
 from graftmerge.hub.references import HubReference, hub_reference_or_none, parse_hub_reference
+from graftmerge.pipeline.graft_plan import resolve_fisher_folder
 
 SHARD_BYTES = 40_000  # tiny shards: a tiny model's cache spans many files
 REPO = "acme/tiny-fisher"
@@ -500,8 +500,8 @@ def test_offline_merge_without_the_cache_fails_before_any_work(hub, tied_models,
 
 
 def test_delta_push_and_pull_round_trip(hub, tied_models, tmp_path):
-    from graftmerge.delta.extract import extract_delta
-    from graftmerge.delta.manifest import open_delta
+    from graftmerge.formats.delta_folder import open_delta
+    from graftmerge.pipeline.delta_extract import extract_delta
 
     folder = extract_delta(tied_models["donor"], tied_models["donor_ft"], tmp_path / "delta",
                            shard_bytes=30_000, progress=False)

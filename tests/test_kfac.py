@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import brute_force_graft, graft_yaml, read_model, run_cli, spd, write_mixed_cache
 
-from graftmerge.fisher import KfacFactors, open_fisher_cache
+from graftmerge.formats.fisher_cache import KfacFactors, open_fisher_cache
 from graftmerge.math.projection import TensorFisher, remove_masked, score_delta
 from graftmerge.math.selection import masked_count, top_k_mask
 
@@ -96,9 +96,10 @@ def test_mixed_cache_global_graft_equals_brute_force(tmp_path, tied_models, row_
         from click.testing import CliRunner
         from mergekit.scripts.run_yaml import main
 
-        from graftmerge import _import_hook, graft_plan
+        from graftmerge.adapter import import_hook
+        from graftmerge.pipeline import graft_plan
 
-        _import_hook.install()
+        import_hook.install()
         monkeypatch.setattr(graft_plan, "BLOCK_ELEMENTS", 1000)
         monkeypatch.setenv("GRAFTMERGE_CACHE_DIR", str(tmp_path / "threshold-cache"))
         result = CliRunner().invoke(main, [str(config), str(tmp_path / "out")])

@@ -25,9 +25,9 @@ from conftest import (
 )
 
 from graftmerge.cli import main
-from graftmerge.fisher import open_fisher_cache
-from graftmerge.graft_plan import FineTune, GraftInputs, GraftPlan
-from graftmerge.plan import plan_report
+from graftmerge.formats.fisher_cache import open_fisher_cache
+from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
+from graftmerge.pipeline.plan import plan_report
 
 TINY = torch.finfo(torch.float32).tiny
 

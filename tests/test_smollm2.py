@@ -23,10 +23,10 @@ import torch
 from click.testing import CliRunner
 from conftest import BIN, graft_yaml, read_model, run_cli, tree_digest
 
-from graftmerge.checkpoint import Checkpoint
 from graftmerge.cli import main
-from graftmerge.fisher import open_fisher_cache
-from graftmerge.smollm2_demo import smollm2_gguf
+from graftmerge.formats.checkpoint import Checkpoint
+from graftmerge.formats.fisher_cache import open_fisher_cache
+from graftmerge.testing.smollm2 import smollm2_gguf
 
 GGUF = smollm2_gguf()
 pytestmark = pytest.mark.skipif(
@@ -104,7 +104,7 @@ def diag_cache(smol) -> Path:
 
 @pytest.fixture(scope="session")
 def donors(smol) -> dict[str, Path]:
-    from graftmerge.smollm2_demo import fine_tune_on_facts, make_noisy_donor
+    from graftmerge.testing.smollm2 import fine_tune_on_facts, make_noisy_donor
 
     donor = make_noisy_donor(smol["post"], smol["root"] / "donor", relative_noise=0.01)
     tuned = fine_tune_on_facts(donor, smol["root"] / "donor_ft", steps=2, lr=1e-4, progress=False)
@@ -215,7 +215,7 @@ def test_import_refuses_bad_input_in_one_line(tmp_path, kind):
 
 
 def test_staged_folder_replaces_only_on_success(tmp_path):
-    from graftmerge.gguf_import import staged_folder
+    from graftmerge.formats.gguf_import import staged_folder
 
     out = tmp_path / "model"
     out.mkdir()

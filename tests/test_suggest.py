@@ -21,10 +21,10 @@ from conftest import (
     write_mixed_cache,
 )
 
-from graftmerge.checkpoint import Checkpoint
 from graftmerge.cli import main
 from graftmerge.errors import GraftError
-from graftmerge.fisher import FisherCacheWriter, open_fisher_cache
+from graftmerge.formats.checkpoint import Checkpoint
+from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
 from graftmerge.math.suggestion import (
     default_rho_grid,
     kl_budget_lambda,
@@ -32,7 +32,7 @@ from graftmerge.math.suggestion import (
     predicted_kl,
     removed_share_knee,
 )
-from graftmerge.suggest import mean_completion_tokens, suggest_graft
+from graftmerge.pipeline.suggest import mean_completion_tokens, suggest_graft
 
 TINY = torch.finfo(torch.float32).tiny
 DECADES = [1e-5, 1e-4, 1e-3, 1e-2, 1e-1]  # x_norm = 0, 0.25, 0.5, 0.75, 1

@@ -52,7 +52,7 @@ def extract(donor: Path, donor_ft: Path, output: Path, weight: float, dtype: str
     that also names a `role: donor` checks the delta was made from it.
     The folder appears only when complete.
     """
-    from graftmerge.delta.extract import extract_delta
+    from graftmerge.pipeline.delta_extract import extract_delta
 
     path = extract_delta(donor, donor_ft, output, weight=weight, dtype=dtype, shard_bytes=shard_size,
                          progress=not quiet)
@@ -86,7 +86,7 @@ def stats(delta_folder: Path, fisher: Path | None, top: float, plot: Path | None
     an update lands on the post model's most sensitive coordinates. A weight
     with only KFAC factors uses the diagonal of its KFAC Fisher, diag(P) diag(Q)ᵀ.
     """
-    from graftmerge.delta.stats import compute_stats, format_table, plot_stats
+    from graftmerge.pipeline.delta_report import compute_stats, format_table, plot_stats
 
     result = compute_stats(delta_folder, fisher, top=top, progress=not quiet)
     click.echo(format_table(result, tensors=not blocks_only))

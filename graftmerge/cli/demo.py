@@ -75,11 +75,11 @@ def demo(workdir: Path | None, rho: float, weight: float, size: str | None, repl
     if size is not None:
         _lm_demo(workdir, size, replay)
         return
-    from graftmerge import _import_hook
+    from graftmerge.adapter import import_hook
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
-    from graftmerge.tiny import make_graft_inputs
+    from graftmerge.testing.tiny_models import make_graft_inputs
 
-    _import_hook.install()
+    import_hook.install()
     with tempfile.TemporaryDirectory(prefix="graftmerge-demo-") as scratch:
         root = workdir or Path(scratch)
         root.mkdir(parents=True, exist_ok=True)
@@ -152,7 +152,7 @@ def _minimal_model(root: Path) -> None:
 
 
 def _suggest(config: Path) -> None:
-    from graftmerge.suggest import suggest_graft
+    from graftmerge.pipeline.suggest import suggest_graft
 
     click.echo(f"5. graftmerge suggest {config}: λ and ρ from the Fisher cache and the delta alone")
     suggestion = suggest_graft(str(config), progress=False)
@@ -171,8 +171,8 @@ def _run_mergekit(config: Path, out: Path) -> None:
 
 
 def _report(paths: dict, out: Path, fisher_path: Path, weight: float) -> None:
-    from graftmerge.checkpoint import Checkpoint
-    from graftmerge.fisher import open_fisher_cache
+    from graftmerge.formats.checkpoint import Checkpoint
+    from graftmerge.formats.fisher_cache import open_fisher_cache
 
     post, donor, ft, grafted = (Checkpoint(p) for p in (paths["post"], paths["donor"], paths["donor_ft"], out))
     fisher = open_fisher_cache(fisher_path)

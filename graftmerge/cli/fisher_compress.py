@@ -42,7 +42,7 @@ def fisher_compress(cache: str, rank: int, output: str, config_file: str | None,
     graftmerge fisher compress fisher/post-kfac --rank 256 -o fisher/post-kfac-r256
     graftmerge fisher compress fisher/post-kfac -k 256 -o fisher/r256 --report-delta graft-kfac.yml
     """
-    from graftmerge.fisher.compress import (
+    from graftmerge.pipeline.fisher_compress import (
         check_compress,
         compress_cache,
         delta_report,
@@ -55,8 +55,7 @@ def fisher_compress(cache: str, rank: int, output: str, config_file: str | None,
     if config_file:
         import dataclasses
 
-        from graftmerge.cli.merge import read_graft_config
-        from graftmerge.graft_plan import GraftInputs
+        from graftmerge.pipeline.graft_plan import GraftInputs, read_graft_config
 
         _, _, plan = read_graft_config(config_file)  # checked completely before anything is written
         GraftInputs.open(dataclasses.replace(plan, fisher=cache, rho=max(plan.rho, 0.5)))

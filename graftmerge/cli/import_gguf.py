@@ -1,4 +1,4 @@
-"""``graftmerge import-gguf``: thin click wrapper over :func:`graftmerge.gguf_import.import_gguf`."""
+"""``graftmerge import-gguf``: thin click wrapper over :func:`graftmerge.formats.gguf_import.import_gguf`."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def import_gguf(file: Path, output: Path, dtype: str, max_shard_size: str, overw
     graftmerge import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o ./post
     graftmerge import-gguf model.Q8_0.gguf -o ./post --dtype bfloat16 --overwrite
     """
-    from graftmerge.gguf_import import import_gguf as run_import
+    from graftmerge.formats.gguf_import import import_gguf as run_import
 
     written = run_import(file, output, dtype, overwrite=overwrite, max_shard_size=max_shard_size)
     shards = sorted(p.name for p in written.glob("*.safetensors"))

@@ -35,7 +35,7 @@ def parse_values(text: str, option: str, *, rho: bool = False) -> list[float]:
 
 def open_for_masks(plan, rhos: list[float]):
     """GraftInputs of ``plan`` with its Fisher cache opened and checked (the config must name one)."""
-    from graftmerge.graft_plan import GraftInputs
+    from graftmerge.pipeline.graft_plan import GraftInputs
 
     if not plan.fisher:
         raise GraftError("the config has no `fisher:` parameter; masks need a Fisher cache (see graftmerge fisher estimate)")
@@ -67,8 +67,8 @@ def plan(config_file: str, rho_list: str, device: str, json_path: str | None, no
     graftmerge plan merge_configs/graft.yml --rho 0.001,0.01,0.1
     graftmerge plan graft.yml --rho 0.01 --json plan.json
     """
-    from graftmerge.cli.merge import read_graft_config
-    from graftmerge.plan import format_report, plan_report, report_json
+    from graftmerge.pipeline.graft_plan import read_graft_config
+    from graftmerge.pipeline.plan import format_report, plan_report, report_json
 
     rhos = parse_values(rho_list, "--rho", rho=True)
     _, _, graft_plan = read_graft_config(config_file)

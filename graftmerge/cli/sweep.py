@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from mergekit.options import MergeOptions, add_merge_options
 
-from graftmerge import _import_hook
+from graftmerge.adapter import import_hook
 from graftmerge.cli.plan import parse_values
 
 
@@ -47,10 +47,10 @@ def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_l
     \b
     graftmerge sweep graft.yml --lambda 0.25,0.5,1 --rho 0,0.001,0.01 -o sweep/ --out-shard-size 500M
     """
-    from graftmerge.cli.merge import read_graft_config
-    from graftmerge.sweep import grid, run_sweep
+    from graftmerge.pipeline.graft_plan import read_graft_config
+    from graftmerge.pipeline.sweep import grid, run_sweep
 
-    _import_hook.install()
+    import_hook.install()
     merge_options.apply_global_options()
     lambdas = parse_values(lambda_list, "--lambda")
     rhos = parse_values(rho_list, "--rho", rho=True)

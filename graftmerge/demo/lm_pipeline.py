@@ -186,7 +186,7 @@ def run_seed(settings: LmDemoSettings, seed: int, root: Path, echo: Callable[[st
           "--kind", "both", "--prompts", str(prompts), "--samples-per-prompt", "2", "--max-new-tokens", "16",
           "--seed", str(seed), "--no-progress"], "fisher estimate")
 
-    from graftmerge.suggest import suggest_graft
+    from graftmerge.pipeline.suggest import suggest_graft
 
     configs: dict[str, tuple[str, str, float | None, float | None]] = {}
     for lam in settings.lambdas:

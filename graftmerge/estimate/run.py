@@ -37,7 +37,7 @@ from graftmerge.estimate.sampling import (
     prompt_generator,
     sample_batch,
 )
-from graftmerge.file_hash import file_sha256
+from graftmerge.formats.file_hash import file_sha256
 
 ACCUMULATOR_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -157,7 +157,7 @@ def estimate_fisher(
 
 
 def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch) -> Path | None:
-    from graftmerge.fisher import FisherCacheWriter
+    from graftmerge.formats.fisher_cache import FisherCacheWriter
 
     settings.output = Path(settings.output)
     _check(settings)

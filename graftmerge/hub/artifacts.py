@@ -34,7 +34,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from graftmerge.errors import GraftError
-from graftmerge.file_hash import file_sha256
+from graftmerge.formats.file_hash import file_sha256
 from graftmerge.hub.references import HubReference, hub_reference_or_none, parse_hub_reference
 
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")

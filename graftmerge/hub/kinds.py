@@ -24,7 +24,7 @@ DELTA_MANIFEST = "delta_manifest.json"
 
 def _open_fisher_folder(folder: Path) -> Mapping[str, Any]:
     """Every check a merge makes on open (format, version, shards present)."""
-    from graftmerge.fisher.cache import open_fisher_cache
+    from graftmerge.formats.fisher_cache import open_fisher_cache
 
     return open_fisher_cache(folder).manifest
 
@@ -79,7 +79,7 @@ def _delta_files(manifest: Mapping[str, Any], read: Callable[[str], bytes]) -> l
     """A delta is loadable as a model: its index, the shards the index names, config.json if any."""
     from huggingface_hub.errors import EntryNotFoundError, RemoteEntryNotFoundError
 
-    from graftmerge.delta.manifest import INDEX_NAME
+    from graftmerge.formats.delta_folder import INDEX_NAME
 
     files = {INDEX_NAME, *json.loads(read(INDEX_NAME))["weight_map"].values()}
     try:
@@ -94,7 +94,7 @@ def _delta_files(manifest: Mapping[str, Any], read: Callable[[str], bytes]) -> l
 
 
 def _open_delta_folder(folder: Path) -> Mapping[str, Any]:
-    from graftmerge.delta.manifest import open_delta
+    from graftmerge.formats.delta_folder import open_delta
 
     return open_delta(folder).manifest
 

@@ -5,7 +5,7 @@ Every output must equal, tensor for tensor and bit for bit, a separate
 re-derives the graft: tensors are planned and loaded by mergekit's own planner
 and ``LoadTensor`` tasks (names, optional weights, dtype casts), dtypes are
 aligned as mergekit's executor aligns them, each grid point is grafted by the
-merge kernel itself (:func:`graftmerge.graft.graft_opened`), cast as mergekit's
+merge kernel itself (:func:`graftmerge.pipeline.graft.graft_opened`), cast as mergekit's
 ``SaveTensor`` casts, and written with mergekit's ``TensorWriter``.
 
 What is shared is only what is provably the same for every grid point:
@@ -38,10 +38,10 @@ import yaml
 from tqdm import tqdm
 
 from graftmerge.errors import GraftError
-from graftmerge.graft import graft_opened
-from graftmerge.graft_plan import GraftInputs, GraftPlan
-from graftmerge.plan import grid_views, score_pass
-from graftmerge.rotation_store import RotationStore
+from graftmerge.formats.rotation_store import RotationStore
+from graftmerge.pipeline.graft import graft_opened
+from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan
+from graftmerge.pipeline.plan import grid_views, score_pass
 
 LOG = logging.getLogger(__name__)
 

@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
+import yaml
+from mergekit.config import MergeConfiguration
+from pydantic import ValidationError
 
-from graftmerge.checkpoint import Checkpoint
-from graftmerge.delta.manifest import MANIFEST_NAME as DELTA_MANIFEST
-from graftmerge.delta.manifest import DeltaFolder, open_delta
 from graftmerge.errors import GraftError
-from graftmerge.fisher.cache import FisherCache, open_fisher_cache, side_rank
+from graftmerge.formats.checkpoint import Checkpoint, check_same_tensors
+from graftmerge.formats.delta_folder import MANIFEST_NAME as DELTA_MANIFEST
+from graftmerge.formats.delta_folder import DeltaFolder, open_delta
+from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache, side_rank
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.projection import TensorFisher
 
@@ -149,7 +152,7 @@ class GraftInputs:
         callers pass only floating tensors); each given tensor must still fit the cache.
         The caller has run ``plan.check()`` (before opening anything).
         """
-        _check_same_tensors(post, [c for c in (donor, *fine_tunes, *(d.checkpoint for d in deltas)) if c is not None])
+        check_same_tensors(post, [c for c in (donor, *fine_tunes, *(d.checkpoint for d in deltas)) if c is not None])
         _check_delta_donors(deltas, donor)
         fisher = None
         if plan.masked:
@@ -239,25 +242,6 @@ class GraftInputs:
 def open_inputs(plan: GraftPlan) -> GraftInputs:
     """GraftInputs.open, once per plan per process (the merge kernel calls it per tensor)."""
     return GraftInputs.open(plan)
-
-
-def _check_same_tensors(post: Checkpoint, others: list[Checkpoint]) -> None:
-    for other in others:
-        only_post = sorted(set(post.tensors) - set(other.tensors))
-        only_other = sorted(set(other.tensors) - set(post.tensors))
-        if only_post or only_other:
-            parts = []
-            if only_post:
-                parts.append(f"missing from {other.label}: {', '.join(only_post[:5])}" + (" ..." if len(only_post) > 5 else ""))
-            if only_other:
-                parts.append(f"only in {other.label}: {', '.join(only_other[:5])}" + (" ..." if len(only_other) > 5 else ""))
-            raise GraftError(f"tensors differ between {post.label} and {other.label} ({'; '.join(parts)})")
-        for name, info in post.tensors.items():
-            theirs = other.tensors[name]
-            if theirs.shape != info.shape:
-                raise GraftError(
-                    f"shape mismatch for {name}: {info.shape} in {post.label}, {theirs.shape} in {other.label}"
-                )
 
 
 def _check_delta_donors(deltas: list[DeltaFolder], donor) -> None:
@@ -402,3 +386,26 @@ def plan_from_merge_config(config) -> GraftPlan:
     plan.check()
     return plan
 
+
+def read_merge_config(config_file: str):
+    """(mergekit ``MergeConfiguration``, YAML text) of a config file; GraftError when unreadable."""
+    try:
+        with open(config_file, encoding="utf-8") as handle:
+            source = handle.read()
+        config = MergeConfiguration.model_validate(yaml.safe_load(source))
+    except OSError as error:
+        raise GraftError(f"{config_file}: cannot read ({error.strerror})") from error
+    except yaml.YAMLError as error:
+        raise GraftError(f"{config_file}: not valid YAML ({str(error).splitlines()[0]})") from error
+    except (ValidationError, RuntimeError) as error:
+        first = str(error).strip().splitlines()
+        raise GraftError(f"{config_file}: not a valid merge config ({' '.join(first[:3])})") from error
+    return config, source
+
+
+def read_graft_config(config_file: str):
+    """(config, YAML text, validated GraftPlan) of a graft config; GraftError for any other method."""
+    config, source = read_merge_config(config_file)
+    if config.merge_method != "graft":
+        raise GraftError(f"{config_file}: merge_method is {config.merge_method!r}; this command needs a graft config")
+    return config, source, plan_from_merge_config(config)

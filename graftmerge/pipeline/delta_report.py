@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from graftmerge.delta.manifest import DeltaFolder, open_delta
 from graftmerge.errors import GraftError
-from graftmerge.fisher.cache import FisherCache, open_fisher_cache
+from graftmerge.formats.delta_folder import DeltaFolder, open_delta
+from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache
 from graftmerge.math.delta_stats import block_of, kfac_diagonal, l2_norm, natural_key, weighted_mass
 from graftmerge.math.global_threshold import ThresholdSearch
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask

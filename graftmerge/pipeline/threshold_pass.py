@@ -19,11 +19,11 @@ import torch
 from tqdm import tqdm
 
 from graftmerge import __version__
-from graftmerge.graft_plan import GraftInputs
+from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.global_threshold import GlobalThreshold, ThresholdSearch
 from graftmerge.math.projection import score_delta
 from graftmerge.math.selection import masked_count
-from graftmerge.rotation_store import RotationStore
+from graftmerge.pipeline.graft_plan import GraftInputs
 
 _MEMORY: dict[str, GlobalThreshold] = {}
 

@@ -1,4 +1,4 @@
-"""The ``graft`` merge method for mergekit: a thin adapter over :mod:`graftmerge.graft`.
+"""The ``graft`` merge method for mergekit: a thin adapter over :mod:`graftmerge.pipeline.graft`.
 
 Registered by the import hook when mergekit's registry is first imported, so
 the stock ``mergekit-yaml`` knows ``merge_method: graft``.
@@ -21,10 +21,10 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
-from graftmerge.checkpoint import InMemoryCheckpoint
 from graftmerge.errors import GraftError
-from graftmerge.graft import graft_in_memory, graft_tensor, run_graft_merge, validated_plan
-from graftmerge.graft_plan import (
+from graftmerge.formats.checkpoint import InMemoryCheckpoint
+from graftmerge.pipeline.graft import graft_in_memory, graft_tensor, run_graft_merge, validated_plan
+from graftmerge.pipeline.graft_plan import (
     FineTune,
     GraftInputs,
     GraftPlan,

@@ -1,6 +1,6 @@
 """Delta folder format v1: sharded safetensors of Δ, an index, a config, and a manifest.
 
-Layout of a delta folder (written by :func:`graftmerge.delta.extract.extract_delta`)::
+Layout of a delta folder (written by :func:`graftmerge.pipeline.delta_extract.extract_delta`)::
 
     delta_manifest.json                 written last; a folder without it is not a delta
     model.safetensors.index.json        weight_map, as for any sharded HF model
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from graftmerge.checkpoint import Checkpoint
 from graftmerge.errors import GraftError
+from graftmerge.formats.checkpoint import Checkpoint, hf_cache_origin
 
 FORMAT_NAME = "graftmerge.delta"
 FORMAT_VERSION = 1
@@ -76,9 +76,8 @@ def sampled_digest(checkpoint: Checkpoint) -> str:
 
 def source_record(checkpoint: Checkpoint) -> dict[str, Any]:
     """What a manifest says about one source: where it was, its Hub origin if known, its fingerprint."""
-    from graftmerge.fisher.cache import _hf_cache_origin
 
-    repo, revision = _hf_cache_origin(checkpoint.folder)
+    repo, revision = hf_cache_origin(checkpoint.folder)
     return {
         "path": str(checkpoint.folder.resolve()),
         "source": repo,

@@ -21,15 +21,15 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from graftmerge import __version__
-from graftmerge.checkpoint import SAFETENSORS_DTYPES, Checkpoint
-from graftmerge.delta.manifest import (
+from graftmerge.errors import GraftError
+from graftmerge.formats.checkpoint import SAFETENSORS_DTYPES, Checkpoint, check_same_tensors
+from graftmerge.formats.delta_folder import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_NAME,
     MANIFEST_NAME,
     source_record,
 )
-from graftmerge.errors import GraftError
 from graftmerge.math.donor_delta import donor_delta
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -90,9 +90,8 @@ def extract_delta(
     ft_checkpoint = Checkpoint(donor_ft, label=f"donor_ft {donor_ft}")
     if donor_checkpoint.folder.resolve() == ft_checkpoint.folder.resolve():
         raise GraftError(f"DONOR and DONOR_FT are the same folder ({donor}); the delta would be zero")
-    from graftmerge.graft_plan import _check_same_tensors
 
-    _check_same_tensors(donor_checkpoint, [ft_checkpoint])
+    check_same_tensors(donor_checkpoint, [ft_checkpoint])
     target = DTYPES[dtype]
     manifest = {
         "format": FORMAT_NAME,

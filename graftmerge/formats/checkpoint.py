@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,3 +193,31 @@ class InMemoryCheckpoint(TensorSource):
         if rows is not None:
             tensor = tensor[rows[0] : rows[1]]
         return tensor.to(self._dtypes[name]).contiguous()
+
+
+def check_same_tensors(post: Checkpoint, others: list[Checkpoint]) -> None:
+    """Every checkpoint in ``others`` has exactly ``post``'s tensor names and shapes."""
+    for other in others:
+        only_post = sorted(set(post.tensors) - set(other.tensors))
+        only_other = sorted(set(other.tensors) - set(post.tensors))
+        if only_post or only_other:
+            parts = []
+            if only_post:
+                parts.append(f"missing from {other.label}: {', '.join(only_post[:5])}" + (" ..." if len(only_post) > 5 else ""))
+            if only_other:
+                parts.append(f"only in {other.label}: {', '.join(only_other[:5])}" + (" ..." if len(only_other) > 5 else ""))
+            raise GraftError(f"tensors differ between {post.label} and {other.label} ({'; '.join(parts)})")
+        for name, info in post.tensors.items():
+            theirs = other.tensors[name]
+            if theirs.shape != info.shape:
+                raise GraftError(
+                    f"shape mismatch for {name}: {info.shape} in {post.label}, {theirs.shape} in {other.label}"
+                )
+
+
+def hf_cache_origin(folder: Path) -> tuple[str | None, str | None]:
+    """(repo id, revision) when ``folder`` is a snapshot inside the HF cache."""
+    match = re.search(r"models--([^/]+?)--([^/]+)/snapshots/([0-9a-f]{7,64})/?$", str(folder.resolve()))
+    if not match:
+        return None, None
+    return f"{match.group(1)}/{match.group(2)}", match.group(3)

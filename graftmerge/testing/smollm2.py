@@ -70,7 +70,7 @@ def _load(folder: Path):
 
 
 def _save(model, tokenizer, output: Path, overwrite: bool) -> Path:
-    from graftmerge.gguf_import import staged_folder
+    from graftmerge.formats.gguf_import import staged_folder
 
     if output.exists() and not overwrite:
         raise GraftError(f"{output} already exists; pass overwrite=True to replace it")

@@ -16,8 +16,8 @@ import sys
 # importlib.resources, pathlib and tempfile (~35 ms) at every interpreter start.
 
 _AFTER_IMPORT = {
-    "mergekit.merge_methods.registry": ("graftmerge.mergekit_method", "register_graft"),
-    "mergekit.merge": ("graftmerge.mergekit_method", "wrap_run_merge"),
+    "mergekit.merge_methods.registry": ("graftmerge.adapter.merge_method", "register_graft"),
+    "mergekit.merge": ("graftmerge.adapter.merge_method", "wrap_run_merge"),
 }
 
 
@@ -63,7 +63,7 @@ def install() -> None:
 def _call_after_import(name: str, module) -> None:
     target_module, function = _AFTER_IMPORT[name]
     __import__(target_module)
-    # When graftmerge.mergekit_method itself triggered this import it is still
+    # When graftmerge.adapter.merge_method itself triggered this import it is still
     # half-initialised; it registers itself once its own import finishes.
     callback = getattr(sys.modules[target_module], function, None)
     if callback is not None:

@@ -19,7 +19,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -30,8 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from graftmerge import __version__
-from graftmerge.checkpoint import Checkpoint
 from graftmerge.errors import GraftError
+from graftmerge.formats.checkpoint import Checkpoint, hf_cache_origin
 from graftmerge.math.kfac import KfacFactors
 
 FORMAT_NAME = "graftmerge.fisher"
@@ -40,14 +39,6 @@ MANIFEST_NAME = "fisher_manifest.json"
 DEFAULT_SHARD_BYTES = 1 << 30
 ORTHONORMAL_TOLERANCE = 1e-3
 EIGENVALUE_TOLERANCE = 1e-6  # relative to the largest eigenvalue of the side
-
-
-def _hf_cache_origin(folder: Path) -> tuple[str | None, str | None]:
-    """(repo id, revision) when ``folder`` is a snapshot inside the HF cache."""
-    match = re.search(r"models--([^/]+?)--([^/]+)/snapshots/([0-9a-f]{7,64})/?$", str(folder.resolve()))
-    if not match:
-        return None, None
-    return f"{match.group(1)}/{match.group(2)}", match.group(3)
 
 
 def _check_values(tensor: torch.Tensor, where: str) -> None:
@@ -92,7 +83,7 @@ class FisherCacheWriter:
             self.model_info = {**model, "source": source or model.get("source"), "revision": revision or model.get("revision")}
         else:
             checkpoint = Checkpoint(model, label="post model")
-            guessed_source, guessed_revision = _hf_cache_origin(checkpoint.folder)
+            guessed_source, guessed_revision = hf_cache_origin(checkpoint.folder)
             self._model_tensors = checkpoint.fingerprint()
             self.model_info = {
                 "source": source or guessed_source or str(checkpoint.folder.resolve()),

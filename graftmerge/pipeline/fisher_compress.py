@@ -20,7 +20,12 @@ import torch
 from tqdm import tqdm
 
 from graftmerge.errors import GraftError
-from graftmerge.fisher.cache import FisherCache, FisherCacheWriter, open_fisher_cache, side_rank
+from graftmerge.formats.fisher_cache import (
+    FisherCache,
+    FisherCacheWriter,
+    open_fisher_cache,
+    side_rank,
+)
 
 
 @dataclass(frozen=True)
@@ -151,9 +156,9 @@ def delta_report(result: CompressResult, source: str | Path, plan, device: str =
     """
     import dataclasses
 
-    from graftmerge.graft_plan import GraftInputs
     from graftmerge.math.mask_stats import block_share, pair_overlap
-    from graftmerge.plan import score_pass, tensor_masks
+    from graftmerge.pipeline.graft_plan import GraftInputs
+    from graftmerge.pipeline.plan import score_pass, tensor_masks
 
     rho = plan.rho
     opened = {

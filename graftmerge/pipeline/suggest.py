@@ -1,6 +1,6 @@
 """Propose the config's ``rho`` and ``lambda`` from the Fisher cache and the delta alone.
 
-One :func:`~graftmerge.plan.plan_report` at ``lambda = 1`` (the config's per-model
+One :func:`~graftmerge.pipeline.plan.plan_report` at ``lambda = 1`` (the config's per-model
 weights, mask and rho_scope) gives, for every ρ of a log grid, the share ``R(ρ)`` of
 ``Σ s = ΔᵀFΔ`` that the mask removes and ``Δ'ᵀFΔ' = Σ s − Σ_masked s``. The rules
 themselves live in :mod:`graftmerge.math.suggestion`.
@@ -97,7 +97,7 @@ def check_settings(kl_budget: float, max_lambda: float) -> None:
 
 def open_suggestion_inputs(plan, fisher: str | None = None):
     """GraftInputs of ``plan`` at lambda = 1 with its (or ``fisher``'s) cache opened and checked."""
-    from graftmerge.graft_plan import GraftInputs
+    from graftmerge.pipeline.graft_plan import GraftInputs
 
     fisher = fisher or plan.fisher
     if not fisher:
@@ -123,8 +123,8 @@ def suggest_graft(
     overrides its ``fisher:``; ``rho_grid`` defaults to 1, 2, 5 per decade from 1e-5
     to 0.5. Raises GraftError for bad input.
     """
-    from graftmerge.cli.merge import read_graft_config
-    from graftmerge.plan import plan_report
+    from graftmerge.pipeline.graft_plan import read_graft_config
+    from graftmerge.pipeline.plan import plan_report
 
     check_settings(kl_budget, max_lambda)
     grid = sorted(rho_grid) if rho_grid is not None else default_rho_grid()

@@ -19,12 +19,17 @@ from pathlib import Path
 import torch
 
 from graftmerge.errors import GraftError, cli_error
-from graftmerge.graft_plan import GraftInputs, GraftPlan, open_inputs, plan_from_merge_config
+from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.projection import remove_masked, score_delta
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
-from graftmerge.rotation_store import RotationStore
-from graftmerge.threshold_pass import compute_global_threshold, global_threshold
+from graftmerge.pipeline.graft_plan import (
+    GraftInputs,
+    GraftPlan,
+    open_inputs,
+    plan_from_merge_config,
+)
+from graftmerge.pipeline.threshold_pass import compute_global_threshold, global_threshold
 
 # Plans validated by run_graft_merge, by everything but dtype: the kernel sees
 # tensors already cast and cannot read the config's dtype itself.

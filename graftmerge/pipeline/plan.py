@@ -1,6 +1,6 @@
 """What a graft would mask for several ρ (and λ), without writing a model.
 
-``score_pass`` is the global threshold pre-pass of :mod:`graftmerge.threshold_pass`
+``score_pass`` is the global threshold pre-pass of :mod:`graftmerge.pipeline.threshold_pass`
 generalised to a grid: each tensor's inputs are read once, Δ is formed once per λ
 (through ``GraftInputs.read_delta``, the merge's own formula), scored once per λ,
 and the scores feed one exact threshold search per ρ. ``plan_report`` adds a second
@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from graftmerge.graft_plan import GraftInputs, GraftPlan
+from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.global_threshold import GlobalThreshold
 from graftmerge.math.mask_stats import MaskTally, MultiThresholdSearch, score_mass, share
 from graftmerge.math.projection import score_delta
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
-from graftmerge.rotation_store import RotationStore
+from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan
 
 
 class ReadOnce:

@@ -1,0 +1,10 @@
+"""Artifacts on disk, read lazily and validated: one module per format.
+
+checkpoint      a folder of safetensors shards (model inputs), headers first
+fisher_cache    Fisher caches (format v1, ``fisher/README.md``)
+delta_folder    delta folders written by ``graftmerge delta extract`` (``docs/delta-tool.md``)
+rotation_store  the threshold pass's scratch Δ̃ = UᵀΔV, reused by the merge
+gguf_import     a GGUF file turned into a safetensors model folder
+file_hash       sha256 of a file, for identities and uploads
+May import: ``math``, ``errors``.
+"""

@@ -1,0 +1,12 @@
+"""The merge pipeline: a graft config in, a model (or a report) out.
+
+graft_plan        read and validate a config; open its inputs (GraftPlan, GraftInputs)
+threshold_pass    the streaming pre-pass that finds the global ⌈ρ·D⌉-th score
+graft             the per-tensor kernel and the staged, validated merge around mergekit
+plan / sweep      masks for many ρ from one scoring pass; a λ × ρ grid in one run
+suggest           ρ and λ from the removed-share curve and a KL budget
+delta_extract     write Δ = weight·(θft − θdonor) as a delta folder
+delta_report      where a delta writes (norms, Fisher-weighted shares)
+fisher_compress   a rank-K Fisher cache from a full one, with its mask overlap
+May import: ``math``, ``formats``, ``hub`` (never ``estimate``, its sibling).
+"""

@@ -1,0 +1,205 @@
+"""The package's shape, checked: imports point down the layers, no cycles, documented.
+
+The layers, lowest first (docs/architecture.md draws them). A module may import
+its own package and any package of a lower layer; packages that share a layer do
+not import each other. Imports sit at the top of their module, except in the
+two places whose laziness keeps start-up fast: ``cli/`` (``graftmerge --help``
+must not import torch) and the ``.pth`` import hook (it runs in every Python).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "graftmerge"
+
+LAYERS: list[set[str]] = [
+    {"", "errors"},  # graftmerge/__init__.py (the version), the one exception type
+    {"math"},  # pure tensors in, tensors out
+    {"formats"},  # files on disk: checkpoints, Fisher caches, delta folders, GGUF
+    {"hub"},  # the same artifacts on the Hugging Face Hub
+    {"pipeline", "estimate"},  # a graft config -> a model; rollouts -> a Fisher cache
+    {"adapter"},  # graft as a mergekit merge method, and the import hook
+    {"testing"},  # generated test models and the SmolLM2 fixture
+    {"demo"},  # the demos, built on everything below
+    {"cli"},  # click commands; graftmerge/__main__.py (python -m graftmerge) belongs here
+]
+LAZY_IMPORTS_ALLOWED = ("cli/", "adapter/import_hook.py")
+
+
+def layer_of(package: str) -> int:
+    for rank, members in enumerate(LAYERS):
+        if package in members:
+            return rank
+    raise AssertionError(f"graftmerge/{package} is in no layer: add it to LAYERS and docs/architecture.md")
+
+
+def package_of(module: str) -> str:
+    """``graftmerge.formats.checkpoint`` -> ``formats``; ``graftmerge`` -> ``""``."""
+    parts = module.split(".")
+    if parts[1:] == ["__main__"]:
+        return "cli"
+    return parts[1] if len(parts) > 1 else ""
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def graftmerge_imports(path: Path) -> list[tuple[str, list[str], bool, int]]:
+    """(imported module, imported names, at module top level, line) for every graftmerge import."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "graftmerge":
+            found.append((node.module, [a.name for a in node.names], id(node) in top_level, node.lineno))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "graftmerge":
+                    found.append((alias.name, [], id(node) in top_level, node.lineno))
+    return found
+
+
+def all_imports(path: Path) -> list[tuple[ast.stmt, bool]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top_level = {id(node) for node in tree.body}
+    return [(n, id(n) in top_level) for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+
+
+def resolve(module: str, name: str) -> str:
+    """``from graftmerge.pipeline import graft_plan`` names a module; otherwise the module itself."""
+    return f"{module}.{name}" if f"{module}.{name}" in MODULES else module
+
+
+def edges() -> list[tuple[str, str, bool, int, list[str]]]:
+    found = []
+    for source, path in MODULES.items():
+        for target, names, top, line in graftmerge_imports(path):
+            targets = {resolve(target, n) for n in names} or {target}
+            found += [(source, t, top, line, names) for t in targets]
+    return found
+
+
+def test_every_package_has_a_layer():
+    for module in MODULES:
+        layer_of(package_of(module))
+
+
+def test_imports_point_down_the_layers():
+    wrong = []
+    for source, target, _, line, _ in edges():
+        src, dst = package_of(source), package_of(target)
+        if src == dst:
+            continue
+        if layer_of(dst) >= layer_of(src):
+            wrong.append(f"{MODULES[source].relative_to(PACKAGE.parent)}:{line} imports {target} ({src or 'graftmerge'} -> {dst})")
+    assert not wrong, "upward or sideways imports:\n" + "\n".join(wrong)
+
+
+def test_imports_sit_at_module_top_level():
+    lazy = []
+    for module, path in MODULES.items():
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.startswith(LAZY_IMPORTS_ALLOWED) or module.endswith("__main__"):
+            continue
+        lazy += [f"{relative}:{node.lineno}" for node, top in all_imports(path) if not top]
+    assert not lazy, "imports inside functions (move them to the top of the module):\n" + "\n".join(lazy)
+
+
+def test_lazy_imports_say_why():
+    """Where laziness is allowed, each function that imports lazily says so in a comment."""
+    missing = []
+    for path in MODULES.values():
+        relative = path.relative_to(PACKAGE).as_posix()
+        if not relative.startswith(LAZY_IMPORTS_ALLOWED):
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines()
+        tree = ast.parse("\n".join(lines))
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            lazy = [n for n in ast.walk(function) if isinstance(n, ast.Import | ast.ImportFrom)]
+            if lazy and not any("lazy" in line.lower() for line in lines[function.lineno - 1 : lazy[0].lineno]):
+                missing.append(f"{relative}:{function.lineno} {function.name}")
+    assert not missing, "lazy imports without a '# lazy: ...' comment:\n" + "\n".join(missing)
+
+
+def test_no_import_cycles():
+    graph: dict[str, set[str]] = {module: set() for module in MODULES}
+    for source, target, _, _, _ in edges():
+        if target in MODULES and target != source:
+            graph[source].add(target)
+    # A package's __init__ is imported with each of its modules; it must not import them back.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycle = stack[stack.index(target) :] + [target]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = 2
+
+    for module in MODULES:
+        if module not in state:
+            visit(module)
+
+
+def test_no_private_names_from_other_packages():
+    wrong = []
+    for source, target, _, line, names in edges():
+        if package_of(source) == package_of(target):
+            continue
+        private = [n for n in names if n.startswith("_") and n != "__version__"]
+        private += [part for part in target.split(".") if part.startswith("_") and part != "__main__"]
+        if private:
+            wrong.append(f"{MODULES[source].relative_to(PACKAGE.parent)}:{line} imports {', '.join(private)} from {target}")
+    assert not wrong, "private names used across packages:\n" + "\n".join(wrong)
+
+
+def public_definitions(tree: ast.Module):
+    """Every non-underscore function and class, nested ones included (methods too)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and not node.name.startswith("_"):
+            yield node
+
+
+def test_every_module_has_a_docstring():
+    missing = [str(path.relative_to(PACKAGE.parent)) for path in MODULES.values()
+               if not ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))]
+    assert not missing, "modules without a docstring:\n" + "\n".join(missing)
+
+
+def test_public_definitions_are_documented():
+    total, missing = 0, []
+    for path in MODULES.values():
+        for node in public_definitions(ast.parse(path.read_text(encoding="utf-8"))):
+            total += 1
+            if not ast.get_docstring(node):
+                missing.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
+    documented = 1 - len(missing) / total
+    assert documented >= 0.95, f"{documented:.1%} of {total} public definitions documented:\n" + "\n".join(missing)
+
+
+def test_functions_are_short():
+    long = []
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > 60:
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({length} lines)")
+    assert not long, "functions over 60 lines:\n" + "\n".join(long)
