@@ -7,7 +7,7 @@
     Fisher estimated here (threshold pass included: its cache is cleared before each run).
 
 The donor is synthetic (post + 1 % relative noise) and the fine-tune is 4 AdamW steps on
-4 invented facts (graftmerge/smollm2_demo.py): the timings need real shapes and weights,
+4 invented facts (graftmerge/testing/smollm2.py): the timings need real shapes and weights,
 not a real donor. Inputs are built once in --workdir and reused.
 
     python benchmarks/bench_smollm2.py --workdir bench-smollm2 [--repeats 3]
