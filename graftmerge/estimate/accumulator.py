@@ -81,20 +81,8 @@ class FisherAccumulator:
         self.max_chunk_elements = max_chunk_elements
         self.device = next(model.parameters()).device
         self.names = self._canonical_names(model)
-        selected = {
-            id(p): name
-            for p, name in ((p, self.names[id(p)]) for p in model.parameters())
-            if p.is_floating_point()
-            and (not modules or any(fnmatch.fnmatchcase(name, g) for g in modules))
-        }
-        if not selected:
-            raise GraftError(
-                f"--modules {' '.join(modules)} matches no floating parameter of the model"
-            )
-        owners: dict[int, int] = {}
-        for module in model.modules():
-            for parameter in module.parameters(recurse=False):
-                owners[id(parameter)] = owners.get(id(parameter), 0) + 1
+        selected = self._selected(model, modules)
+        owners = self._owner_counts(model)
         output_embeddings = (
             model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         )
@@ -107,46 +95,9 @@ class FisherAccumulator:
             local = {n: p for n, p in module.named_parameters(recurse=False) if id(p) in selected}
             if not local:
                 continue
-            module_kind = (
-                "linear"
-                if isinstance(module, nn.Linear)
-                else "embedding"
-                if isinstance(module, nn.Embedding)
-                else "generic"
+            self.plans.append(
+                self._plan(module_name, module, local, owners, output_embeddings, max_full_factor)
             )
-            plan = _ModulePlan(module_name, module, module_kind)
-            weight = local.get("weight")
-            wants_kfac = (
-                kind in ("kfac", "both")
-                and module_kind in ("linear", "embedding")
-                and weight is not None
-                and owners[id(weight)] == 1  # a tied embedding / lm_head uses the diagonal
-            )
-            if wants_kfac:
-                plan.kfac = self.names[id(weight)]
-                rows, columns = weight.shape
-                plan.rows_diagonal = (
-                    module_kind == "embedding"
-                    or module is output_embeddings
-                    or rows > max_full_factor
-                )
-                plan.columns_diagonal = module_kind == "linear" and columns > max_full_factor
-                self.kfac_kind[plan.kfac] = module_kind
-                self.rows[plan.kfac] = self._zeros((rows,) if plan.rows_diagonal else (rows, rows))
-                self.columns[plan.kfac] = self._zeros(
-                    (columns,) if plan.columns_diagonal else (columns, columns)
-                )
-            for local_name, parameter in local.items():
-                if kind == "kfac" and plan.kfac is not None and local_name == "weight":
-                    continue
-                name = self.names[id(parameter)]
-                plan.diagonal[local_name] = parameter
-                self.diagonal.setdefault(name, self._zeros(tuple(parameter.shape)))
-            if module_kind == "linear" and set(plan.diagonal) - {"weight", "bias"}:
-                raise GraftError(
-                    f"module {module_name!r} has parameters besides weight/bias; cannot estimate"
-                )
-            self.plans.append(plan)
         self.sequences = 0
         self.tokens = 0
         self.completion_tokens = 0
@@ -162,6 +113,80 @@ class FisherAccumulator:
         for name, parameter in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(parameter), name)
         return names
+
+    def _selected(self, model: nn.Module, modules: Sequence[str]) -> dict[int, str]:
+        """id → name of the floating parameters ``--modules`` picks (all when empty); none is an error."""
+        selected = {
+            id(p): name
+            for p, name in ((p, self.names[id(p)]) for p in model.parameters())
+            if p.is_floating_point()
+            and (not modules or any(fnmatch.fnmatchcase(name, g) for g in modules))
+        }
+        if not selected:
+            raise GraftError(
+                f"--modules {' '.join(modules)} matches no floating parameter of the model"
+            )
+        return selected
+
+    @staticmethod
+    def _owner_counts(model: nn.Module) -> dict[int, int]:
+        """id(parameter) → how many modules hold it (more than one: a tied weight)."""
+        owners: dict[int, int] = {}
+        for module in model.modules():
+            for parameter in module.parameters(recurse=False):
+                owners[id(parameter)] = owners.get(id(parameter), 0) + 1
+        return owners
+
+    def _plan(
+        self,
+        module_name: str,
+        module: nn.Module,
+        local: dict[str, nn.Parameter],
+        owners: dict[int, int],
+        output_embeddings: nn.Module | None,
+        max_full_factor: int,
+    ) -> _ModulePlan:
+        """What to capture at one module; allocates its zeroed sums (KFAC sides, then diagonals)."""
+        module_kind = (
+            "linear"
+            if isinstance(module, nn.Linear)
+            else "embedding"
+            if isinstance(module, nn.Embedding)
+            else "generic"
+        )
+        plan = _ModulePlan(module_name, module, module_kind)
+        weight = local.get("weight")
+        wants_kfac = (
+            self.kind in ("kfac", "both")
+            and module_kind in ("linear", "embedding")
+            and weight is not None
+            and owners[id(weight)] == 1  # a tied embedding / lm_head uses the diagonal
+        )
+        if wants_kfac:
+            plan.kfac = self.names[id(weight)]
+            rows, columns = weight.shape
+            plan.rows_diagonal = (
+                module_kind == "embedding"
+                or module is output_embeddings
+                or rows > max_full_factor
+            )
+            plan.columns_diagonal = module_kind == "linear" and columns > max_full_factor
+            self.kfac_kind[plan.kfac] = module_kind
+            self.rows[plan.kfac] = self._zeros((rows,) if plan.rows_diagonal else (rows, rows))
+            self.columns[plan.kfac] = self._zeros(
+                (columns,) if plan.columns_diagonal else (columns, columns)
+            )
+        for local_name, parameter in local.items():
+            if self.kind == "kfac" and plan.kfac is not None and local_name == "weight":
+                continue
+            name = self.names[id(parameter)]
+            plan.diagonal[local_name] = parameter
+            self.diagonal.setdefault(name, self._zeros(tuple(parameter.shape)))
+        if module_kind == "linear" and set(plan.diagonal) - {"weight", "bias"}:
+            raise GraftError(
+                f"module {module_name!r} has parameters besides weight/bias; cannot estimate"
+            )
+        return plan
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -215,6 +240,7 @@ class FisherAccumulator:
 
     def _forward_hook(self, plan: _ModulePlan | None):
         def hook(module: nn.Module, args: tuple, output):
+            """Capture the module's input and hook its output's gradient (skipped while replaying)."""
             if self._replaying or self._batch is None:
                 return None
             if not isinstance(output, torch.Tensor):
@@ -291,11 +317,13 @@ class FisherAccumulator:
             a, g_ = x, g
 
             def weight_gradients(s: slice) -> torch.Tensor:
+                """Per-sequence weight gradients of the sequences in ``s``, made only when squared."""
                 return per_sequence_gradients.linear_weight_gradients(
                     a[s].to(dtype), g_[s].to(dtype)
                 )
 
             def bias_gradients(s: slice) -> torch.Tensor:
+                """Per-sequence bias gradients of the sequences in ``s``."""
                 return per_sequence_gradients.linear_bias_gradients(g_[s].to(dtype))
 
             for local_name, parameter in plan.diagonal.items():
@@ -359,6 +387,7 @@ class FisherAccumulator:
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the sums from :meth:`state_dict` output in place; GraftError if it is another run's."""
         mine = self.state_dict()
         if set(state) != set(mine):
             raise GraftError("the checkpoint holds other accumulators than this run needs")

@@ -17,6 +17,8 @@ from graftmerge.estimate.rollouts import Rollout
 
 @dataclass
 class Batch:
+    """Rollouts stacked for one forward: ids, masks and positions, all (sequences, tokens)."""
+
     input_ids: torch.Tensor  # (B, T) long, pad id 0 after each sequence
     attention_mask: torch.Tensor  # (B, T) long, 1 on real tokens
     position_ids: torch.Tensor  # (B, T) long, 0..S_n-1 then continuing over pads
@@ -25,13 +27,16 @@ class Batch:
 
     @property
     def sequences(self) -> int:
+        """Rows in the batch."""
         return int(self.input_ids.shape[0])
 
     @property
     def tokens(self) -> int:
+        """Real (non-pad) tokens, prompts included."""
         return int(self.token_mask.sum())
 
     def to(self, device: torch.device | str) -> Batch:
+        """The same batch on ``device``."""
         return Batch(
             *(
                 t.to(device)

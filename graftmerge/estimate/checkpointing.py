@@ -22,10 +22,12 @@ from graftmerge.errors import GraftError
 
 
 def checkpoint_folder(output: Path) -> Path:
+    """The hidden sibling ``.NAME.checkpoint`` of ``output``, so nothing half-done looks like a cache."""
     return output.parent / f".{output.name}.checkpoint"
 
 
 def fingerprint(settings: dict[str, Any]) -> str:
+    """sha256 of the settings that determine the sums; a checkpoint resumes only the same run."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -69,4 +71,5 @@ def load(folder: Path, rank: int, print_: str) -> tuple[int, dict[str, torch.Ten
 
 
 def clear(folder: Path) -> None:
+    """Delete the checkpoints (a finished run, or --restart); absent is fine."""
     shutil.rmtree(folder, ignore_errors=True)

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Ranks:
+    """This process's place in the run: its rank, how many ranks, its device."""
+
     rank: int
     world_size: int
     device: torch.device
@@ -24,6 +26,7 @@ class Ranks:
 
     @property
     def is_main(self) -> bool:
+        """Rank 0, the one that prints progress and writes the cache."""
         return self.rank == 0
 
 
@@ -46,6 +49,7 @@ def start(device: str | None = None) -> Ranks:
 
 
 def stop(ranks: Ranks) -> None:
+    """Leave the process group if :func:`start` created it (one that was already there stays)."""
     if ranks.started_here and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -76,5 +80,6 @@ def agree(ranks: Ranks, error: str | None) -> str | None:
 
 
 def barrier(ranks: Ranks) -> None:
+    """Wait for every rank; a no-op in one process."""
     if ranks.world_size > 1:
         dist.barrier()

@@ -6,6 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.utils import logging as hf_logging
 
 from graftmerge.errors import GraftError
 
@@ -21,9 +24,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def causal_lm_config(folder: str | Path):
     """The folder's transformers config; GraftError unless it describes a causal LM."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise GraftError(f"{folder} is not a Hugging Face model folder (no config.json)")
@@ -47,9 +47,6 @@ def load_causal_lm(
     progress: bool = True,
 ):
     """A ``transformers`` causal LM in eval mode; GraftError if the folder is not one."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
     if dtype not in DTYPES:
         raise GraftError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     config = causal_lm_config(folder)
@@ -75,6 +72,7 @@ def tokenizer_loader(folder: str | Path):
     loaded: list[Any] = []
 
     def load() -> Any:
+        """The tokenizer, loaded on first call; GraftError if the folder has none."""
         if loaded:
             return loaded[0]
         if not any((folder / name).exists() for name in TOKENIZER_FILES):
@@ -82,8 +80,6 @@ def tokenizer_loader(folder: str | Path):
                 f"{folder} has no tokenizer; text rollouts (prompt/completion, messages) need one, "
                 "or pass pre-tokenised prompt_ids/completion_ids"
             )
-        from transformers import AutoTokenizer
-
         try:
             loaded.append(AutoTokenizer.from_pretrained(folder))
         except (ValueError, OSError) as error:

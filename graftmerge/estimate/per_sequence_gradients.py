@@ -74,6 +74,7 @@ def module_parameter_gradients(
     """
 
     def one_sequence(x_n: torch.Tensor, g_n: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One sequence's parameter VJP; vmap maps it over dim 0."""
         _, pullback = vjp(lambda p: functional_call(module, p, (x_n,)), parameters)
         return pullback(g_n)[0]
 

@@ -35,6 +35,7 @@ class Rollout:
 
     @property
     def length(self) -> int:
+        """Tokens in the sequence, prompt and completion."""
         return len(self.prompt_ids) + len(self.completion_ids)
 
 
@@ -177,12 +178,14 @@ def parse_prompt(record: dict[str, Any], where: str, tokenizer: TokenizerLoader)
 def read_rollouts(
     path: str | Path, tokenizer: TokenizerLoader
 ) -> tuple[list[Rollout], RolloutStats]:
+    """Every non-blank line of a rollouts JSONL file as a Rollout (GraftError names the bad line)."""
     records = read_jsonl(path, "rollouts")
     rollouts = [parse_rollout(record, f"{path}:{number}", tokenizer) for number, record in records]
     return rollouts, RolloutStats(lines=len(records))
 
 
 def read_prompts(path: str | Path, tokenizer: TokenizerLoader) -> list[tuple[str, tuple[int, ...]]]:
+    """("file:line", prompt ids) per line of a prompts JSONL file; an empty prompt is an error."""
     records = read_jsonl(path, "prompts")
     prompts = []
     for number, record in records:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from torch import nn
 from tqdm.auto import tqdm
 
 from graftmerge import __version__
@@ -38,12 +40,15 @@ from graftmerge.estimate.sampling import (
     sample_batch,
 )
 from graftmerge.formats.file_hash import file_sha256
+from graftmerge.formats.fisher_cache import FisherCacheWriter
 
 ACCUMULATOR_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
 class EstimateSettings:
+    """Everything one estimate run needs: the ``fisher estimate`` options, plus ``extra`` for the estimator record."""
+
     model: Path
     output: Path
     kind: str = "diagonal"
@@ -157,12 +162,10 @@ def estimate_fisher(
 
 
 def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch) -> Path | None:
-    from graftmerge.formats.fisher_cache import FisherCacheWriter
-
+    """One rank's run: data, its batches summed, sums all-reduced, the cache written by rank 0."""
     settings.output = Path(settings.output)
     _check(settings)
     config = causal_lm_config(settings.model)
-    model = None
     load_model = lambda: load_causal_lm(  # noqa: E731
         settings.model,
         dtype=settings.dtype,
@@ -176,37 +179,7 @@ def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch)
         checkpointing.clear(folder)
     distributed.barrier(ranks)
 
-    data: dict[str, Any]
-    if settings.rollouts is not None:
-        rollouts, stats = read_rollouts(settings.rollouts, tokenizer)
-        data = {
-            "rollouts_file": str(settings.rollouts),
-            "rollouts_file_sha256": file_sha256(settings.rollouts),
-        }
-    else:
-        saved = folder / "rollouts.jsonl"
-        model = load_model()
-        rollouts = _sample_rollouts(settings, model, tokenizer, ranks, saved)
-        stats = RolloutStats(lines=len(rollouts))
-        data = {
-            "prompts_file": str(settings.prompts),
-            "prompts_file_sha256": file_sha256(settings.prompts),
-            "sampled_from": "the post model (true Fisher)",
-            "sampling": {
-                "samples_per_prompt": settings.samples_per_prompt,
-                "max_new_tokens": settings.max_new_tokens,
-                "temperature": settings.temperature,
-                "top_p": settings.top_p,
-                "top_k": None,
-                "seed": settings.seed,
-                "sample_batch_size": settings.sample_batch_size,
-            },
-        }
-        if ranks.is_main:
-            if settings.checkpoint_every and not saved.exists():
-                write_rollouts(saved, rollouts)
-            if settings.save_rollouts is not None:
-                write_rollouts(settings.save_rollouts, rollouts, _maybe(tokenizer))
+    model, rollouts, stats, data = _retention_data(settings, ranks, load_model, tokenizer, folder)
     max_length = getattr(config, "max_position_embeddings", None)
     rollouts = validate_rollouts(
         rollouts,
@@ -219,13 +192,72 @@ def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch)
         model = load_model()
     data["token_sha256"] = rollouts_sha256(rollouts)
 
-    plan = plan_batches([r.length for r in rollouts], settings.batch_size)
-    mine = batches_of_rank(plan, ranks.rank, ranks.world_size)
-    dtype = ACCUMULATOR_DTYPES[settings.accumulator_dtype]
-    accumulator = FisherAccumulator(
-        model, kind=settings.kind, modules=settings.modules, dtype=dtype
-    )
-    run_print = checkpointing.fingerprint(
+    accumulator, seconds = _accumulate(settings, ranks, model, rollouts, data, folder, after_batch)
+    state = accumulator.state_dict()
+    distributed.all_reduce_sum(ranks, state)
+    accumulator.load_state_dict(state)
+    if not ranks.is_main:
+        distributed.barrier(ranks)
+        return None
+    try:
+        counts = _counts(accumulator, stats)
+        estimator = _estimator_record(settings, ranks, model, accumulator, data, max_length, seconds)
+        _write_cache(settings, accumulator, counts, estimator)
+        checkpointing.clear(folder)
+    finally:
+        distributed.barrier(ranks)
+    return settings.output
+
+
+def _retention_data(
+    settings: EstimateSettings,
+    ranks: distributed.Ranks,
+    load_model: Callable[[], nn.Module],
+    tokenizer: Callable[[], Any],
+    folder: Path,
+) -> tuple[nn.Module | None, list[Rollout], RolloutStats, dict[str, Any]]:
+    """(model if sampling loaded it, rollouts, stats, the manifest's data record): read or sampled."""
+    if settings.rollouts is not None:
+        rollouts, stats = read_rollouts(settings.rollouts, tokenizer)
+        data = {
+            "rollouts_file": str(settings.rollouts),
+            "rollouts_file_sha256": file_sha256(settings.rollouts),
+        }
+        return None, rollouts, stats, data
+    saved = folder / "rollouts.jsonl"
+    model = load_model()
+    rollouts = _sample_rollouts(settings, model, tokenizer, ranks, saved)
+    stats = RolloutStats(lines=len(rollouts))
+    data = _sampling_record(settings)
+    if ranks.is_main:
+        if settings.checkpoint_every and not saved.exists():
+            write_rollouts(saved, rollouts)
+        if settings.save_rollouts is not None:
+            write_rollouts(settings.save_rollouts, rollouts, _maybe(tokenizer))
+    return model, rollouts, stats, data
+
+
+def _sampling_record(settings: EstimateSettings) -> dict[str, Any]:
+    """How self-sampled rollouts were drawn, for the manifest (enough to draw them again)."""
+    return {
+        "prompts_file": str(settings.prompts),
+        "prompts_file_sha256": file_sha256(settings.prompts),
+        "sampled_from": "the post model (true Fisher)",
+        "sampling": {
+            "samples_per_prompt": settings.samples_per_prompt,
+            "max_new_tokens": settings.max_new_tokens,
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "top_k": None,
+            "seed": settings.seed,
+            "sample_batch_size": settings.sample_batch_size,
+        },
+    }
+
+
+def _run_fingerprint(settings: EstimateSettings, ranks: distributed.Ranks, data: dict[str, Any]) -> str:
+    """Everything that determines this rank's sums: a checkpoint of another run is refused."""
+    return checkpointing.fingerprint(
         {
             "model": str(Path(settings.model).resolve()),
             "data": data["token_sha256"],
@@ -237,6 +269,25 @@ def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch)
             "world_size": ranks.world_size,
         }
     )
+
+
+def _accumulate(
+    settings: EstimateSettings,
+    ranks: distributed.Ranks,
+    model: nn.Module,
+    rollouts: list[Rollout],
+    data: dict[str, Any],
+    folder: Path,
+    after_batch: Callable[[int], None] | None,
+) -> tuple[FisherAccumulator, float]:
+    """(this rank's sums, seconds): its batches fed to the accumulator, resumed from and saved to checkpoints."""
+    plan = plan_batches([r.length for r in rollouts], settings.batch_size)
+    mine = batches_of_rank(plan, ranks.rank, ranks.world_size)
+    dtype = ACCUMULATOR_DTYPES[settings.accumulator_dtype]
+    accumulator = FisherAccumulator(
+        model, kind=settings.kind, modules=settings.modules, dtype=dtype
+    )
+    run_print = _run_fingerprint(settings, ranks, data)
     start = 0
     if settings.checkpoint_every:
         resumed = checkpointing.load(folder, ranks.rank, run_print)
@@ -270,63 +321,76 @@ def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch)
             if after_batch is not None:
                 after_batch(index)
     bar.close()
-    seconds = time.perf_counter() - began
+    return accumulator, time.perf_counter() - began
 
-    state = accumulator.state_dict()
-    distributed.all_reduce_sum(ranks, state)
-    accumulator.load_state_dict(state)
-    if not ranks.is_main:
-        distributed.barrier(ranks)
-        return None
-    try:
-        counts = {
-            "sequences": accumulator.sequences,
-            "tokens": accumulator.tokens,
-            "completion_tokens": accumulator.completion_tokens,
-            "prompt_tokens": accumulator.tokens - accumulator.completion_tokens,
-            "input_lines": stats.lines,
-            "skipped_empty_completion": stats.skipped_empty_completion,
-            "truncated": stats.truncated,
-        }
-        estimator = {
-            "tool": f"graftmerge {__version__}",
-            "command": "graftmerge fisher estimate",
-            "kind": settings.kind,
-            "loss": "per-token mean NLL of completion tokens, per sequence (SPEC §3)",
-            "diagonal": "mean over sequences of squared per-sequence gradients",
-            "kfac": "Q = token mean of a aᵀ, P = sequence mean of token-summed g gᵀ",
-            "kfac_diagonal_sides": accumulator.diagonal_sides(),
-            "data": data,
-            "modules": list(settings.modules) or ["*"],
-            "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "accumulator_dtype": settings.accumulator_dtype,
-            "batch_size": settings.batch_size,
-            "world_size": ranks.world_size,
-            "max_length": max_length,
-            "truncate": settings.truncate,
-            "attn_implementation": settings.attn_implementation,
-            "seconds": round(seconds, 3),
-            "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
-            **settings.extra,
-        }
-        diagonal, kfac = accumulator.means()
-        with FisherCacheWriter(
-            settings.output,
-            model=settings.model,
-            source=settings.source,
-            revision=settings.revision,
-            estimator=estimator,
-            counts=counts,
-            overwrite=settings.overwrite,
-        ) as writer:
-            for name, tensor in diagonal.items():
-                writer.add_diagonal(name, tensor)
-            for name, (rows, columns) in kfac.items():
-                writer.add_kfac(name, P=rows, Q=columns)
-        checkpointing.clear(folder)
-    finally:
-        distributed.barrier(ranks)
-    return settings.output
+
+def _counts(accumulator: FisherAccumulator, stats: RolloutStats) -> dict[str, int]:
+    """The manifest's counts: what the sums were made of, and what the input lost on the way."""
+    return {
+        "sequences": accumulator.sequences,
+        "tokens": accumulator.tokens,
+        "completion_tokens": accumulator.completion_tokens,
+        "prompt_tokens": accumulator.tokens - accumulator.completion_tokens,
+        "input_lines": stats.lines,
+        "skipped_empty_completion": stats.skipped_empty_completion,
+        "truncated": stats.truncated,
+    }
+
+
+def _estimator_record(
+    settings: EstimateSettings,
+    ranks: distributed.Ranks,
+    model: nn.Module,
+    accumulator: FisherAccumulator,
+    data: dict[str, Any],
+    max_length: int | None,
+    seconds: float,
+) -> dict[str, Any]:
+    """The manifest's estimator record: tool, definitions and settings, so a cache says how it was made."""
+    return {
+        "tool": f"graftmerge {__version__}",
+        "command": "graftmerge fisher estimate",
+        "kind": settings.kind,
+        "loss": "per-token mean NLL of completion tokens, per sequence (SPEC §3)",
+        "diagonal": "mean over sequences of squared per-sequence gradients",
+        "kfac": "Q = token mean of a aᵀ, P = sequence mean of token-summed g gᵀ",
+        "kfac_diagonal_sides": accumulator.diagonal_sides(),
+        "data": data,
+        "modules": list(settings.modules) or ["*"],
+        "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "accumulator_dtype": settings.accumulator_dtype,
+        "batch_size": settings.batch_size,
+        "world_size": ranks.world_size,
+        "max_length": max_length,
+        "truncate": settings.truncate,
+        "attn_implementation": settings.attn_implementation,
+        "seconds": round(seconds, 3),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        **settings.extra,
+    }
+
+
+def _write_cache(
+    settings: EstimateSettings,
+    accumulator: FisherAccumulator,
+    counts: dict[str, int],
+    estimator: dict[str, Any],
+) -> None:
+    """The means written as a cache; the writer renames it into place only once it is complete."""
+    diagonal, kfac = accumulator.means()
+    with FisherCacheWriter(
+        settings.output,
+        model=settings.model,
+        source=settings.source,
+        revision=settings.revision,
+        estimator=estimator,
+        counts=counts,
+        overwrite=settings.overwrite,
+    ) as writer:
+        for name, tensor in diagonal.items():
+            writer.add_diagonal(name, tensor)
+        for name, (rows, columns) in kfac.items():
+            writer.add_kfac(name, P=rows, Q=columns)
 
 
 def _maybe(loader):
@@ -337,11 +401,6 @@ def _maybe(loader):
         return None
 
 
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
-
-
 def settings_dict(settings: EstimateSettings) -> dict[str, Any]:
+    """``settings`` as JSON-ready values (paths as strings), for records and reports."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()}

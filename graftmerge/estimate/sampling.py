@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from graftmerge.errors import GraftError
 
 
 def prompt_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """Prompt ``index``'s own generator, seeded from (seed, index): samples do not depend on sharding."""
     digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
@@ -44,6 +46,7 @@ def sample_next_tokens(
 def check_sampling(
     temperature: float, top_p: float, samples: int, max_new_tokens: int, batch_size: int = 1
 ) -> None:
+    """GraftError for sampling settings that cannot give Fisher samples, before any model is loaded."""
     if temperature <= 0:
         raise GraftError(f"--temperature must be > 0 (got {temperature}); the Fisher needs samples")
     if not 0 < top_p <= 1:
@@ -91,16 +94,7 @@ def sample_batch(
     if not prompts:
         return []
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    rows = len(prompts) * samples
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((rows, width), dtype=torch.long, device=device)
-    for i, prompt in enumerate(prompts):
-        if not prompt:
-            raise ValueError(f"prompt {i} is empty")
-        block = slice(i * samples, (i + 1) * samples)
-        input_ids[block, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
-        mask[block, width - len(prompt) :] = 1
+    input_ids, mask = _left_padded(prompts, samples, pad_id, device)
     positions = (mask.cumsum(dim=1) - 1).clamp_min(0)  # padding: any valid position, masked anyway
     eos = torch.tensor(list(eos_ids) or [-1], device=device)
     cache_argument, last_only = _forward_options(model)
@@ -112,18 +106,86 @@ def sample_batch(
         use_cache=True,
         **last_only,
     )
-    padded = any(len(prompt) < width for prompt in prompts)
-    if padded and not bool(torch.isfinite(out.logits[:, -1]).all()):
+    if any(len(prompt) < input_ids.shape[1] for prompt in prompts):
+        _check_padded_logits(model, out.logits)
+    steps = _decode(
+        model,
+        out,
+        mask,
+        positions[:, -1:],
+        generators=generators,
+        samples=samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos=eos,
+        pad_id=pad_id,
+        cache_argument=cache_argument,
+    )
+    return _completions(steps, eos, samples, len(prompts))
+
+
+def _completions(
+    steps: list[torch.Tensor], eos: torch.Tensor, samples: int, prompts: int
+) -> list[list[tuple[int, ...]]]:
+    """Each row's tokens cut after its first EOS (kept: it was sampled), grouped by prompt."""
+    sampled = torch.stack(steps, dim=1).tolist()
+    eos_set = set(eos.tolist())
+    completions = []
+    for row in sampled:
+        cut = next((i + 1 for i, token in enumerate(row) if token in eos_set), len(row))
+        completions.append(tuple(row[:cut]))
+    return [completions[i * samples : (i + 1) * samples] for i in range(prompts)]
+
+
+def _left_padded(
+    prompts: Sequence[Sequence[int]], samples: int, pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask), ``samples`` rows per prompt, padded on the left to share one forward."""
+    width = max(len(p) for p in prompts)
+    rows = len(prompts) * samples
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((rows, width), dtype=torch.long, device=device)
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty")
+        block = slice(i * samples, (i + 1) * samples)
+        input_ids[block, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
+        mask[block, width - len(prompt) :] = 1
+    return input_ids, mask
+
+
+def _check_padded_logits(model: nn.Module, logits: torch.Tensor) -> None:
+    """GraftError if left padding broke the prefill's next-token logits (rather than sample from NaN)."""
+    if not bool(torch.isfinite(logits[:, -1]).all()):
         # e.g. eager attention in float64 turns the padding rows' all-masked softmax into NaN
         implementation = getattr(model.config, "_attn_implementation", None)
         raise GraftError(
             f"the model gives non-finite logits for left-padded prompts "
-            f"(attn_implementation {implementation!r}, {out.logits.dtype}); "
+            f"(attn_implementation {implementation!r}, {logits.dtype}); "
             "pass --attn-implementation sdpa or --sample-batch-size 1"
         )
-    position = positions[:, -1:]
+
+
+def _decode(
+    model: nn.Module,
+    out: Any,
+    mask: torch.Tensor,
+    position: torch.Tensor,
+    *,
+    generators: Sequence[torch.Generator],
+    samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    eos: torch.Tensor,
+    pad_id: int,
+    cache_argument: str,
+) -> list[torch.Tensor]:
+    """One (rows,) tensor of tokens per step from the prefill ``out`` on, until every row has sampled EOS."""
+    rows, device = mask.shape[0], mask.device
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    active = [True] * len(prompts)  # some row of the prompt has not sampled EOS yet
+    active = [True] * len(generators)  # some row of the prompt has not sampled EOS yet
     steps = []
     for step in range(max_new_tokens):
         logits = out.logits[:, -1]
@@ -134,7 +196,7 @@ def sample_batch(
                 tokens[block] = sample_next_tokens(logits[block], temperature, top_p, generator)
         steps.append(tokens)
         finished |= torch.isin(tokens, eos)
-        active = finished.view(len(prompts), samples).all(dim=1).logical_not().tolist()
+        active = finished.view(len(generators), samples).all(dim=1).logical_not().tolist()
         if not any(active) or step == max_new_tokens - 1:
             break
         cache = out["cache"] if "cache" in out else out["past_key_values"]
@@ -147,13 +209,7 @@ def sample_batch(
             use_cache=True,
             **{cache_argument: cache},
         )
-    sampled = torch.stack(steps, dim=1).tolist()
-    eos_set = set(eos.tolist())
-    completions = []
-    for row in sampled:
-        cut = next((i + 1 for i, token in enumerate(row) if token in eos_set), len(row))
-        completions.append(tuple(row[:cut]))
-    return [completions[i * samples : (i + 1) * samples] for i in range(len(prompts))]
+    return steps
 
 
 def sample_completions(

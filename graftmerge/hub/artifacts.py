@@ -31,6 +31,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx2
+from huggingface_hub import (
+    CommitOperationAdd,
+    CommitOperationDelete,
+    HfApi,
+    RepoFile,
+    constants,
+    get_hf_file_metadata,
+    get_session,
+    hf_hub_download,
+    hf_hub_url,
+    try_to_load_from_cache,
+)
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 from tqdm.auto import tqdm
 
 from graftmerge.errors import GraftError
@@ -69,6 +92,7 @@ class ArtifactKind:
     select_layers: Callable[[Mapping[str, Any], Sequence[str]], dict[str, Any]] | None = None
 
     def data_files(self, manifest: Mapping[str, Any], read: Callable[[str], bytes], where: str) -> list[str]:
+        """The manifest's data files, each checked to stay inside the folder (manifests come from the Hub)."""
         try:
             files = self.list_files(manifest, read)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
@@ -79,6 +103,7 @@ class ArtifactKind:
         return files
 
     def check_manifest(self, manifest: Any, where: str) -> dict[str, Any]:
+        """``manifest`` itself if it is one of this kind (its ``format`` field); GraftError otherwise."""
         if not isinstance(manifest, dict) or manifest.get("format") != self.format_name:
             found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
             raise GraftError(
@@ -145,17 +170,6 @@ def same_as_remote(remote: Any, local: Path | bytes) -> bool:
 @contextmanager
 def hub_errors(kind: ArtifactKind, reference: HubReference, action: str) -> Iterator[None]:
     """huggingface_hub's exceptions as one-line GraftErrors that say what to do."""
-    import httpx2
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        OfflineModeIsEnabled,
-        RemoteEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
     try:
         yield
     except GatedRepoError as error:
@@ -190,6 +204,8 @@ def hub_errors(kind: ArtifactKind, reference: HubReference, action: str) -> Iter
 
 @dataclass
 class PushResult:
+    """What a push did, file by file: tells a re-run's caller how much was resumed."""
+
     repo_id: str
     revision: str
     uploaded: list[str] = field(default_factory=list)  # data files, manifest and card, in commit order
@@ -216,8 +232,6 @@ def push_artifact(
     and card go in the last commit, so the repo never reads as a complete but mixed
     artifact. Stale ``*.safetensors`` of an earlier push are deleted in that commit.
     """
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, RepoFile
-
     folder = Path(folder)
     target = parse_hub_reference(repo_id)
     if target.revision is not None:
@@ -231,47 +245,66 @@ def push_artifact(
     result = PushResult(target.repo_id, branch)
     reference = HubReference(target.repo_id, branch)
 
-    def commit(operations: list, message: str) -> None:
-        api.create_commit(target.repo_id, operations, commit_message=message, revision=branch)
-        result.commits += 1
-
     with hub_errors(kind, reference, "push to"):
-        api.create_repo(target.repo_id, private=True if private else None, exist_ok=True)
-        if branch != "main":
-            api.create_branch(target.repo_id, branch=branch, exist_ok=True)
-        remote = {
-            entry.path: entry
-            for entry in api.list_repo_tree(target.repo_id, recursive=True, revision=branch)
-            if isinstance(entry, RepoFile)
-        }
+        remote = _remote_files(api, target.repo_id, branch, private)
         to_upload = [name for name in files if not same_as_remote(remote.get(name), folder / name)]
         result.unchanged = [name for name in files if name not in to_upload]
         stale = sorted(p for p in remote if p.endswith(".safetensors") and p not in sizes)
         manifest_current = same_as_remote(remote.get(kind.manifest_name), manifest_bytes)
         if kind.manifest_name in remote and not manifest_current and (to_upload or stale):
-            commit([CommitOperationDelete(kind.manifest_name)], f"graftmerge: {kind.label} is being replaced")
+            _commit(api, result, [CommitOperationDelete(kind.manifest_name)],
+                    f"graftmerge: {kind.label} is being replaced")
             result.deleted.append(kind.manifest_name)
-        bar = tqdm(total=sum(sizes[n] for n in to_upload), unit="B", unit_scale=True,
-                   desc=f"push {kind.name}", disable=not progress)
-        for index, name in enumerate(to_upload, 1):
-            commit([CommitOperationAdd(name, str(folder / name))],
-                   f"graftmerge: {kind.label} file {name} ({index}/{len(to_upload)})")
-            result.uploaded.append(name)
-            bar.update(sizes[name])
-        bar.close()
+        _upload_data_files(kind, api, result, folder, to_upload, sizes, progress)
         final: list = []
         if not manifest_current:
             final.append(CommitOperationAdd(kind.manifest_name, manifest_bytes))
         if not same_as_remote(remote.get("README.md"), card):
             final.append(CommitOperationAdd("README.md", card))
-        final += [CommitOperationDelete(path) for path in stale]
-        if final:
-            commit(final, f"graftmerge: {kind.label} manifest and model card")
-            result.uploaded += [op.path_in_repo for op in final if isinstance(op, CommitOperationAdd)]
-            result.deleted += stale
-        else:
-            result.unchanged += [kind.manifest_name, "README.md"]
+        _commit_last(kind, api, result, final, stale)
     return result
+
+
+def _commit(api: Any, result: PushResult, operations: list, message: str) -> None:
+    """One commit on the pushed branch, counted in ``result``."""
+    api.create_commit(result.repo_id, operations, commit_message=message, revision=result.revision)
+    result.commits += 1
+
+
+def _remote_files(api: Any, repo_id: str, branch: str, private: bool) -> dict[str, RepoFile]:
+    """Create the repo and branch if needed; path → file of what the branch holds now (what resume compares)."""
+    api.create_repo(repo_id, private=True if private else None, exist_ok=True)
+    if branch != "main":
+        api.create_branch(repo_id, branch=branch, exist_ok=True)
+    return {
+        entry.path: entry
+        for entry in api.list_repo_tree(repo_id, recursive=True, revision=branch)
+        if isinstance(entry, RepoFile)
+    }
+
+
+def _upload_data_files(kind: ArtifactKind, api: Any, result: PushResult, folder: Path,
+                       to_upload: list[str], sizes: Mapping[str, int], progress: bool) -> None:
+    """One commit per data file, so an interrupted push keeps every file it finished."""
+    bar = tqdm(total=sum(sizes[n] for n in to_upload), unit="B", unit_scale=True,
+               desc=f"push {kind.name}", disable=not progress)
+    for index, name in enumerate(to_upload, 1):
+        _commit(api, result, [CommitOperationAdd(name, str(folder / name))],
+                f"graftmerge: {kind.label} file {name} ({index}/{len(to_upload)})")
+        result.uploaded.append(name)
+        bar.update(sizes[name])
+    bar.close()
+
+
+def _commit_last(kind: ArtifactKind, api: Any, result: PushResult, final: list, stale: list[str]) -> None:
+    """Manifest, card and stale-shard deletions in one last commit: the repo reads as complete only after it."""
+    final += [CommitOperationDelete(path) for path in stale]
+    if final:
+        _commit(api, result, final, f"graftmerge: {kind.label} manifest and model card")
+        result.uploaded += [op.path_in_repo for op in final if isinstance(op, CommitOperationAdd)]
+        result.deleted += stale
+    else:
+        result.unchanged += [kind.manifest_name, "README.md"]
 
 
 # -- pull -----------------------------------------------------------------------------
@@ -279,6 +312,8 @@ def push_artifact(
 
 @dataclass
 class PullResult:
+    """Where a pulled artifact is now, and which of its files this pull had to download."""
+
     folder: Path  # the artifact to use: the cache snapshot, or the assembled output folder
     commit: str
     files: list[str]  # data files of the pulled artifact
@@ -286,12 +321,12 @@ class PullResult:
 
 
 def _storage_folder(cache_dir: Path, repo_id: str) -> Path:
+    """The repo's folder in the cache layout (``models--org--name``), where refs and snapshots live."""
     return cache_dir / ("models--" + repo_id.replace("/", "--"))
 
 
 def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
-    from huggingface_hub import constants
-
+    """``cache_dir``, else the Hugging Face cache as configured now (tests and env may move it)."""
     return Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE).expanduser()
 
 
@@ -308,8 +343,6 @@ def _write_ref(storage: Path, revision: str, commit: str) -> None:
 
 def _cached_commit(kind: ArtifactKind, reference: HubReference, cache_dir: Path) -> str | None:
     """The commit of a complete cached copy (its manifest is there), or None."""
-    from huggingface_hub import try_to_load_from_cache
-
     found = try_to_load_from_cache(reference.repo_id, kind.manifest_name, cache_dir=str(cache_dir),
                                    revision=reference.revision_or_main)
     return Path(found).parent.name if isinstance(found, str) else None
@@ -319,11 +352,6 @@ def _remote_manifest(
     kind: ArtifactKind, reference: HubReference, cache_dir: Path, token: str | None
 ) -> tuple[str, bytes] | None:
     """(commit, manifest bytes) from the Hub; None when the Hub cannot be reached."""
-    import httpx2
-    from huggingface_hub import constants, get_hf_file_metadata, get_session, hf_hub_url
-    from huggingface_hub.errors import OfflineModeIsEnabled
-    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
-
     if constants.is_offline_mode():
         return None
     url = hf_hub_url(reference.repo_id, kind.manifest_name, revision=reference.revision_or_main)
@@ -360,66 +388,102 @@ def pull_artifact(
     fetched and ``output`` (required then) gets a manifest listing just them. Offline,
     or when the Hub does not answer, a complete cached copy is used as it is.
     """
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
-
     if isinstance(reference, str):
         reference = parse_hub_reference(reference)
+    _check_pull(kind, output, layers, overwrite)
+    cache = _cache_dir(cache_dir)
+    with hub_errors(kind, reference, "pull"):
+        online, commit, raw = _pull_manifest(kind, reference, cache, token)
+        where = f"{reference.repo_id}@{commit[:12]}"
+        manifest = kind.check_manifest(_parse_json(raw, f"{where}/{kind.manifest_name}"), where)
+        if layers:
+            manifest = kind.select_layers(manifest, layers)
+            manifest["pulled"] = {"from": f"{reference.repo_id}@{commit}", "layers": list(layers)}
+        fetch = _SnapshotFiles(kind, reference, cache, commit, online, token)
+        files = kind.data_files(manifest, lambda name: fetch(name).read_bytes(), where)
+        for name in tqdm(files, desc=f"pull {kind.name}", unit="file", disable=not progress or not files):
+            fetch(name)
+        if online:
+            fetch.complete()
+    folder = snapshot = fetch.snapshot
+    if output is not None:
+        data = raw if not layers else json.dumps(manifest, indent=1, sort_keys=True).encode()
+        folder = assemble_folder(Path(output), snapshot, files, kind.manifest_name, data, overwrite=overwrite)
+    return PullResult(folder=folder, commit=commit, files=files, fetched=fetch.fetched)
+
+
+def _check_pull(kind: ArtifactKind, output: str | os.PathLike | None, layers: Sequence[str],
+                overwrite: bool) -> None:
+    """Refuse a pull that cannot succeed before anything is fetched."""
     if layers and output is None:
         raise GraftError(f"--layers makes a partial {kind.label}, which needs its own folder: add -o {kind.name}/NAME")
     if layers and kind.select_layers is None:
         raise GraftError(f"a {kind.label} cannot be pulled by layers")
     if output is not None and Path(output).exists() and not overwrite:
         raise GraftError(f"{output} already exists; pass --overwrite to replace it")
-    cache = _cache_dir(cache_dir)
-    storage = _storage_folder(cache, reference.repo_id)
-    with hub_errors(kind, reference, "pull"):
-        found = _remote_manifest(kind, reference, cache, token)
-        online = found is not None
-        if found is None:
-            commit = _cached_commit(kind, reference, cache)
-            if commit is None:
-                raise HubArtifactNotFound(
-                    f"{reference} is not in the local Hugging Face cache ({cache}) and the Hub cannot be reached "
-                    f"(HF_HUB_OFFLINE=1 or no network); run `graftmerge {kind.name} pull {reference}` where it is reachable"
-                )
-            raw = (storage / "snapshots" / commit / kind.manifest_name).read_bytes()
-        else:
-            commit, raw = found
-        where = f"{reference.repo_id}@{commit[:12]}"
-        snapshot = storage / "snapshots" / commit
-        manifest = kind.check_manifest(_parse_json(raw, f"{where}/{kind.manifest_name}"), where)
-        if layers:
-            manifest = kind.select_layers(manifest, layers)
-            manifest["pulled"] = {"from": f"{reference.repo_id}@{commit}", "layers": list(layers)}
-        fetched: list[str] = []
 
-        def fetch(name: str) -> Path:
-            """One file of the snapshot: from the cache, else from the Hub (never offline)."""
-            if isinstance(try_to_load_from_cache(reference.repo_id, name, cache_dir=str(cache), revision=commit), str):
-                return snapshot / name
-            if not online:
-                raise HubArtifactNotFound(
-                    f"{reference} is only partly in the local Hugging Face cache ({name} is missing) and the Hub "
-                    f"cannot be reached; run `graftmerge {kind.name} pull {reference}` where it is reachable"
-                )
-            hf_hub_download(reference.repo_id, name, revision=commit, cache_dir=str(cache), token=token)
-            fetched.append(name)
-            return snapshot / name
 
-        files = kind.data_files(manifest, lambda name: fetch(name).read_bytes(), where)
-        for name in tqdm(files, desc=f"pull {kind.name}", unit="file", disable=not progress or not files):
-            fetch(name)
-        snapshot = storage / "snapshots" / commit
-        if online and not (snapshot / kind.manifest_name).is_file():
-            # Last: from now on the snapshot reads as complete.
-            hf_hub_download(reference.repo_id, kind.manifest_name, revision=commit, cache_dir=str(cache), token=token)
-        if online and reference.revision_or_main != commit:
-            _write_ref(storage, reference.revision_or_main, commit)
-    folder = snapshot
-    if output is not None:
-        data = raw if not layers else json.dumps(manifest, indent=1, sort_keys=True).encode()
-        folder = assemble_folder(Path(output), snapshot, files, kind.manifest_name, data, overwrite=overwrite)
-    return PullResult(folder=folder, commit=commit, files=files, fetched=fetched)
+def _pull_manifest(
+    kind: ArtifactKind, reference: HubReference, cache: Path, token: str | None
+) -> tuple[bool, str, bytes]:
+    """(online, commit, manifest bytes): from the Hub when it answers, else from a complete cached copy."""
+    found = _remote_manifest(kind, reference, cache, token)
+    if found is not None:
+        return True, *found
+    commit = _cached_commit(kind, reference, cache)
+    if commit is None:
+        raise HubArtifactNotFound(
+            f"{reference} is not in the local Hugging Face cache ({cache}) and the Hub cannot be reached "
+            f"(HF_HUB_OFFLINE=1 or no network); run `graftmerge {kind.name} pull {reference}` where it is reachable"
+        )
+    raw = (_storage_folder(cache, reference.repo_id) / "snapshots" / commit / kind.manifest_name).read_bytes()
+    return False, commit, raw
+
+
+@dataclass
+class _SnapshotFiles:
+    """Files of one commit's cache snapshot: read from the cache, else fetched from the Hub (never offline)."""
+
+    kind: ArtifactKind
+    reference: HubReference
+    cache: Path
+    commit: str
+    online: bool
+    token: str | None
+    fetched: list[str] = field(default_factory=list)  # downloaded by this pull, in order
+
+    @property
+    def storage(self) -> Path:
+        """The repo's folder in the cache."""
+        return _storage_folder(self.cache, self.reference.repo_id)
+
+    @property
+    def snapshot(self) -> Path:
+        """The commit's snapshot folder (complete once it holds the manifest)."""
+        return self.storage / "snapshots" / self.commit
+
+    def __call__(self, name: str) -> Path:
+        """One file of the snapshot: from the cache, else from the Hub (never offline)."""
+        reference, kind = self.reference, self.kind
+        if isinstance(try_to_load_from_cache(reference.repo_id, name, cache_dir=str(self.cache), revision=self.commit), str):
+            return self.snapshot / name
+        if not self.online:
+            raise HubArtifactNotFound(
+                f"{reference} is only partly in the local Hugging Face cache ({name} is missing) and the Hub "
+                f"cannot be reached; run `graftmerge {kind.name} pull {reference}` where it is reachable"
+            )
+        hf_hub_download(reference.repo_id, name, revision=self.commit, cache_dir=str(self.cache), token=self.token)
+        self.fetched.append(name)
+        return self.snapshot / name
+
+    def complete(self) -> None:
+        """Manifest last (from now on the snapshot reads as complete), then the ref for offline use."""
+        reference = self.reference
+        if not (self.snapshot / self.kind.manifest_name).is_file():
+            hf_hub_download(reference.repo_id, self.kind.manifest_name, revision=self.commit,
+                            cache_dir=str(self.cache), token=self.token)
+        if reference.revision_or_main != self.commit:
+            _write_ref(self.storage, reference.revision_or_main, self.commit)
 
 
 def assemble_folder(output: Path, snapshot: Path, files: Sequence[str], manifest_name: str,

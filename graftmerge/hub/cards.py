@@ -36,6 +36,7 @@ def front_matter(metadata: Mapping[str, Any]) -> str:
 
 
 def human_bytes(size: int) -> str:
+    """``size`` in decimal units (``1.5 MB``), as the Hub shows file sizes."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if size < 1000 or unit == "TB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
@@ -70,6 +71,16 @@ def _table(rows: list[tuple[str, str]], header: tuple[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _metadata(base_model: str | None, tags: list[str]) -> dict[str, Any]:
+    """The front matter's fields; ``base_model`` only when the artifact's model is on the Hub."""
+    metadata: dict[str, Any] = {}
+    if base_model:
+        metadata["base_model"] = base_model
+    metadata["library_name"] = "graftmerge"
+    metadata["tags"] = tags
+    return metadata
+
+
 def render_fisher_card(manifest: Mapping[str, Any], repo_id: str, revision: str | None, file_sizes: Mapping[str, int]) -> str:
     """README.md of a Fisher cache repo: front matter, retention data, counts, sizes, usage."""
     model = manifest.get("model", {})
@@ -78,12 +89,26 @@ def render_fisher_card(manifest: Mapping[str, Any], repo_id: str, revision: str 
     base_model = hub_model_id(model.get("source"))
     tags = ["graftmerge", "fisher", "retention-fisher"]
     tags += {"diagonal": ["diagonal"], "kfac": ["kfac"], "mixed": ["kfac", "diagonal"]}.get(kind, [])
-    metadata: dict[str, Any] = {}
-    if base_model:
-        metadata["base_model"] = base_model
-    metadata["library_name"] = "graftmerge"
-    metadata["tags"] = tags
+    reference = repo_id if revision in (None, "main") else f"{repo_id}@{revision}"
+    subject = base_model or model.get("source", "an unnamed model")
+    model_revision = f" (revision `{model['revision']}`)" if model.get("revision") else ""
+    return (
+        front_matter(_metadata(base_model, tags))
+        + f"\n# Retention Fisher of {subject}\n\n"
+        f"A **{kind}** retention Fisher cache (graftmerge cache format v{manifest.get('format_version')}) "
+        f"of `{subject}`{model_revision}: how sensitive the post-trained model's behaviour on its own "
+        "rollouts is to each direction of its weights. graftmerge's `graft` merge method "
+        "([grafting](https://arxiv.org/abs/2610.05872)) reads it to keep a grafted fine-tuning "
+        "delta out of the directions the model needs most.\n\n"
+        + _fisher_records(manifest, entries, file_sizes)
+        + _fisher_usage(base_model, reference, entries)
+    )
 
+
+def _fisher_records(manifest: Mapping[str, Any], entries: Mapping[str, Mapping[str, Any]],
+                    file_sizes: Mapping[str, int]) -> str:
+    """The data digests, estimator settings and sizes: what a reader needs to trust the cache."""
+    model = manifest.get("model", {})
     estimator = manifest.get("estimator", {})
     data = estimator.get("data", {}) if isinstance(estimator, Mapping) else {}
     digests = [(key, value) for key, value in _flatten(data) if key.endswith("sha256") or key == "token_sha256"]
@@ -92,20 +117,7 @@ def render_fisher_card(manifest: Mapping[str, Any], repo_id: str, revision: str 
     n_kfac = sum(1 for e in entries.values() if "kfac" in e)
     n_diagonal = sum(1 for e in entries.values() if "diagonal" in e)
     total = sum(file_sizes.values())
-    reference = repo_id if revision in (None, "main") else f"{repo_id}@{revision}"
-    subject = base_model or model.get("source", "an unnamed model")
-    model_revision = f" (revision `{model['revision']}`)" if model.get("revision") else ""
-    example_layer = "model.layers.0.*" if any(n.startswith("model.layers.0.") for n in entries) else next(
-        iter(sorted(entries)), "model.layers.0.*")
-
     return (
-        front_matter(metadata)
-        + f"\n# Retention Fisher of {subject}\n\n"
-        f"A **{kind}** retention Fisher cache (graftmerge cache format v{manifest.get('format_version')}) "
-        f"of `{subject}`{model_revision}: how sensitive the post-trained model's behaviour on its own "
-        "rollouts is to each direction of its weights. graftmerge's `graft` merge method "
-        "([grafting](https://arxiv.org/abs/2610.05872)) reads it to keep a grafted fine-tuning "
-        "delta out of the directions the model needs most.\n\n"
         "## Retention data\n\n"
         + _table(digests, ("data", "sha256"))
         + "\n### Estimator settings\n\n"
@@ -115,6 +127,14 @@ def render_fisher_card(manifest: Mapping[str, Any], repo_id: str, revision: str 
         + f"\n- weights with Fisher entries: {len(entries)} ({n_kfac} KFAC, {n_diagonal} diagonal)\n"
         f"- post model tensors fingerprinted: {len(model.get('tensors', {}))}\n"
         f"- files: {len(file_sizes)} safetensors shard(s) + `fisher_manifest.json`, {human_bytes(total)} in all\n\n"
+    )
+
+
+def _fisher_usage(base_model: str | None, reference: str, entries: Mapping[str, Any]) -> str:
+    """A merge config and pull commands naming this repo, so the card can be copied from."""
+    example_layer = "model.layers.0.*" if any(n.startswith("model.layers.0.") for n in entries) else next(
+        iter(sorted(entries)), "model.layers.0.*")
+    return (
         "## Use it in a merge\n\n"
         "```yaml\n"
         "merge_method: graft\n"
@@ -142,11 +162,6 @@ def render_delta_card(manifest: Mapping[str, Any], repo_id: str, revision: str |
     """README.md of a delta repo: front matter and a summary of the manifest's own records."""
     model = manifest.get("model", {}) if isinstance(manifest.get("model"), Mapping) else {}
     base_model = hub_model_id(model.get("source")) or hub_model_id(manifest.get("base_model"))
-    metadata: dict[str, Any] = {}
-    if base_model:
-        metadata["base_model"] = base_model
-    metadata["library_name"] = "graftmerge"
-    metadata["tags"] = ["graftmerge", "delta"]
     reference = repo_id if revision in (None, "main") else f"{repo_id}@{revision}"
     summary = [
         (key, value)
@@ -154,7 +169,7 @@ def render_delta_card(manifest: Mapping[str, Any], repo_id: str, revision: str |
         if not key.startswith("model.tensors")
     ]
     return (
-        front_matter(metadata)
+        front_matter(_metadata(base_model, ["graftmerge", "delta"]))
         + f"\n# graftmerge delta{f' for {base_model}' if base_model else ''}\n\n"
         "A precomputed fine-tuning delta (θft − θdonor) in graftmerge's delta format, to be "
         "grafted onto a post-trained model with graftmerge's `graft` merge method.\n\n"

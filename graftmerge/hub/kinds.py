@@ -14,7 +14,11 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.errors import EntryNotFoundError, RemoteEntryNotFoundError
+
 from graftmerge.errors import GraftError
+from graftmerge.formats.delta_folder import INDEX_NAME, open_delta
+from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.hub.artifacts import ArtifactKind
 from graftmerge.hub.cards import render_delta_card, render_fisher_card
 
@@ -24,8 +28,6 @@ DELTA_MANIFEST = "delta_manifest.json"
 
 def _open_fisher_folder(folder: Path) -> Mapping[str, Any]:
     """Every check a merge makes on open (format, version, shards present)."""
-    from graftmerge.formats.fisher_cache import open_fisher_cache
-
     return open_fisher_cache(folder).manifest
 
 
@@ -77,10 +79,6 @@ FISHER = ArtifactKind(
 
 def _delta_files(manifest: Mapping[str, Any], read: Callable[[str], bytes]) -> list[str]:
     """A delta is loadable as a model: its index, the shards the index names, config.json if any."""
-    from huggingface_hub.errors import EntryNotFoundError, RemoteEntryNotFoundError
-
-    from graftmerge.formats.delta_folder import INDEX_NAME
-
     files = {INDEX_NAME, *json.loads(read(INDEX_NAME))["weight_map"].values()}
     try:
         read("config.json")
@@ -94,8 +92,7 @@ def _delta_files(manifest: Mapping[str, Any], read: Callable[[str], bytes]) -> l
 
 
 def _open_delta_folder(folder: Path) -> Mapping[str, Any]:
-    from graftmerge.formats.delta_folder import open_delta
-
+    """Every check a merge makes on open (format, version, files match the manifest)."""
     return open_delta(folder).manifest
 
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from huggingface_hub import constants, snapshot_download
+from mergekit.common import ModelPath, ModelReference
+from pydantic import BaseModel
+
 from graftmerge.errors import GraftError
 from graftmerge.hub.references import hub_reference_or_none
 
@@ -24,8 +28,6 @@ def cached_model_folder(path: str, revision: str | None) -> str | None:
     """
     if os.path.exists(path) or hub_reference_or_none(path) is None:
         return None
-    from huggingface_hub import constants, snapshot_download
-
     try:
         return snapshot_download(path, revision=revision, local_files_only=True, allow_patterns=MODEL_FILE_PATTERNS)
     except Exception:  # noqa: BLE001 - any failure means "no usable copy in the local cache"
@@ -41,14 +43,13 @@ def cached_model_folder(path: str, revision: str | None) -> str | None:
 
 def localize_models(config: Any) -> Any:
     """``config`` with every cached Hub-id ``ModelReference`` (models, LoRAs) replaced by its folder."""
-    from mergekit.common import ModelPath, ModelReference
-    from pydantic import BaseModel
-
     def path(model_path: ModelPath) -> ModelPath:
+        """The cached snapshot folder in place of a Hub id; local or uncached paths unchanged."""
         folder = cached_model_folder(model_path.path, model_path.revision)
         return model_path if folder is None else ModelPath(path=folder)
 
     def walk(value: Any) -> Any:
+        """``value`` rebuilt only where a reference changed, so untouched parts stay identical objects."""
         if isinstance(value, ModelReference):
             model, lora = path(value.model), None if value.lora is None else path(value.lora)
             if model is value.model and lora is value.lora:

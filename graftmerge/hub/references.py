@@ -30,6 +30,7 @@ class HubReference:
 
     @property
     def revision_or_main(self) -> str:
+        """The revision to ask the Hub for: None means the default branch, ``main``."""
         return self.revision or "main"
 
 
