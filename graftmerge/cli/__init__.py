@@ -7,6 +7,7 @@ non-zero exit; ``-v`` shows the traceback instead.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import click
 
@@ -16,9 +17,12 @@ from graftmerge.errors import GraftError, cli_error
 
 def report_errors(command):
     """GraftError becomes ``error: <message>`` and exit 2; ``-v``/``--verbose`` re-raises it."""
+    if getattr(command, "_reports_errors", False):
+        return command
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        """Run ``command``; a GraftError becomes click's one-line error (wraps copies the command's docstring here)."""
         try:
             return command(*args, **kwargs)
         except GraftError as error:
@@ -26,6 +30,7 @@ def report_errors(command):
                 raise
             raise cli_error(error) from None
 
+    wrapper._reports_errors = True
     return wrapper
 
 
@@ -38,33 +43,70 @@ def _verbose() -> bool:
     return bool(context.params.get("verbose")) or getattr(options, "verbosity", 0) > 0
 
 
-class _LazyGroup(click.Group):
-    """Import each subcommand's module only when it is used (keeps --help fast)."""
+class LazyGroup(click.Group):
+    """A command group whose subcommands load only when used.
 
-    _lazy = {
-        "fisher": ("graftmerge.cli.fisher", "fisher"),
-        "merge": ("graftmerge.cli.merge", "merge"),
-        "demo": ("graftmerge.cli.demo", "demo"),
-        "plan": ("graftmerge.cli.plan", "plan"),
-        "sweep": ("graftmerge.cli.sweep", "sweep"),
-        "suggest": ("graftmerge.cli.suggest", "suggest"),
-        "delta": ("graftmerge.cli.delta", "delta"),
-        "import-gguf": ("graftmerge.cli.import_gguf", "import_gguf"),
-    }
+    ``lazy_commands`` maps a name to (module, attribute, one-line summary); ``--help``
+    lists the stored summaries, so it imports no subcommand module (and so no torch,
+    transformers or mergekit). ``tests/test_cli_help.py`` keeps each summary equal to
+    its command's own short help.
+    """
+
+    def __init__(self, *args, lazy_commands: dict[str, tuple[str, str, str]] | None = None,
+                 wrap_errors: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = lazy_commands or {}
+        self.wrap_errors = wrap_errors
 
     def list_commands(self, ctx):
-        return sorted([*super().list_commands(ctx), *self._lazy])
+        """Every subcommand name, the lazy ones included, sorted as --help lists them."""
+        return sorted([*super().list_commands(ctx), *self.lazy_commands])
 
     def get_command(self, ctx, name):
-        if name in self._lazy:
-            module, attribute = self._lazy[name]
-            command = getattr(__import__(module, fromlist=[attribute]), attribute)
+        """The subcommand ``name``, its module imported now (lazy: only the command asked for loads)."""
+        if name not in self.lazy_commands:
+            return super().get_command(ctx, name)
+        module, attribute, _ = self.lazy_commands[name]
+        command = getattr(importlib.import_module(module), attribute)
+        if self.wrap_errors and not getattr(command.callback, "_reports_errors", False):
             command.callback = report_errors(command.callback)
-            return command
-        return super().get_command(ctx, name)
+        return command
+
+    def format_commands(self, ctx, formatter) -> None:
+        """The Commands section from stored summaries: --help imports no subcommand module."""
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in self.lazy_commands:
+                rows.append((name, self.lazy_commands[name][2]))
+                continue
+            command = super().get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=10**6)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
-@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+MAIN_COMMANDS = {
+    "fisher": ("graftmerge.cli.fisher", "fisher", "Retention Fisher caches of a post-trained model."),
+    "merge": ("graftmerge.cli.merge", "merge",
+              "Run a merge config (graft or any mergekit method) and write the model to OUT_PATH."),
+    "demo": ("graftmerge.cli.demo", "demo",
+             "Run a tiny end-to-end graft on generated checkpoints and print what it did."),
+    "plan": ("graftmerge.cli.plan", "plan",
+             "Report what a graft config would mask for several ρ, without writing a model."),
+    "sweep": ("graftmerge.cli.sweep", "sweep",
+              "Graft CONFIG once per (λ, ρ) of a grid, reading the inputs once for all of them."),
+    "suggest": ("graftmerge.cli.suggest", "suggest",
+                "Suggest the config's rho and lambda before any evaluation (no model written)."),
+    "delta": ("graftmerge.cli.delta", "delta",
+              "Grafts as files: a delta Δ = weight·(θft − θdonor), like a LoRA adapter but full-rank."),
+    "import-gguf": ("graftmerge.cli.import_gguf", "import_gguf",
+                    "Dequantize a GGUF causal LM (llama.cpp format) into a Hugging Face model folder."),
+}
+
+
+@click.group(cls=LazyGroup, lazy_commands=MAIN_COMMANDS, wrap_errors=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="graftmerge")
 def main() -> None:
     """Graft a fine-tuning delta learned on a donor checkpoint onto a post-trained model.

@@ -7,10 +7,17 @@ from pathlib import Path
 
 import click
 
-from graftmerge.cli import report_errors
+from graftmerge.cli import LazyGroup, report_errors
+
+DELTA_COMMANDS = {
+    "push": ("graftmerge.cli.hub", "delta_push",
+             "Upload the delta folder PATH to the Hub model repo REPO_ID (org/name), with a model card."),
+    "pull": ("graftmerge.cli.hub", "delta_pull",
+             "Download the delta REPO_ID[@REV] (also hf://org/name@rev) into the Hugging Face cache."),
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, lazy_commands=DELTA_COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 def delta() -> None:
     """Grafts as files: a delta Δ = weight·(θft − θdonor), like a LoRA adapter but full-rank.
 
@@ -52,6 +59,7 @@ def extract(donor: Path, donor_ft: Path, output: Path, weight: float, dtype: str
     that also names a `role: donor` checks the delta was made from it.
     The folder appears only when complete.
     """
+    # lazy: extraction loads torch and safetensors; only when the command runs, so --help stays fast
     from graftmerge.pipeline.delta_extract import extract_delta
 
     path = extract_delta(donor, donor_ft, output, weight=weight, dtype=dtype, shard_bytes=shard_size,
@@ -86,6 +94,7 @@ def stats(delta_folder: Path, fisher: Path | None, top: float, plot: Path | None
     an update lands on the post model's most sensitive coordinates. A weight
     with only KFAC factors uses the diagonal of its KFAC Fisher, diag(P) diag(Q)ᵀ.
     """
+    # lazy: the report loads torch and matplotlib; only when the command runs, so --help stays fast
     from graftmerge.pipeline.delta_report import compute_stats, format_table, plot_stats
 
     result = compute_stats(delta_folder, fisher, top=top, progress=not quiet)
@@ -96,8 +105,3 @@ def stats(delta_folder: Path, fisher: Path | None, top: float, plot: Path | None
         json_file.write_text(json.dumps(result.to_json(), indent=1))
         click.echo(f"wrote {json_file}")
 
-
-from graftmerge.cli.hub import delta_pull, delta_push  # noqa: E402 - Hub commands join the group
-
-delta.add_command(delta_push)
-delta.add_command(delta_pull)

@@ -11,13 +11,15 @@ prints what changed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
 
 import click
-import torch
+import yaml
 
+from graftmerge.adapter import import_hook
 from graftmerge.errors import GraftError
 
 DEMO_CONFIG = """\
@@ -40,6 +42,9 @@ out_dtype: float32
 
 def write_prompts(path: Path, vocab_size: int, count: int = 8, seed: int = 0) -> Path:
     """Random token prompts: the "old task" of a model that never had one."""
+    # lazy: torch only when the demo runs, so `graftmerge demo --help` stays fast
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     lines = [json.dumps({"prompt_ids": torch.randint(0, vocab_size, (4,), generator=generator).tolist()})
              for _ in range(count)]
@@ -75,7 +80,7 @@ def demo(workdir: Path | None, rho: float, weight: float, size: str | None, repl
     if size is not None:
         _lm_demo(workdir, size, replay)
         return
-    from graftmerge.adapter import import_hook
+    # lazy: the estimator and the model generator load torch and transformers only when the demo runs
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
     from graftmerge.testing.tiny_models import make_graft_inputs
 
@@ -103,8 +108,7 @@ def demo(workdir: Path | None, rho: float, weight: float, size: str | None, repl
 
 
 def _lm_demo(workdir: Path | None, size: str, replay: float | None) -> None:
-    import dataclasses
-
+    # lazy: transformers and the LM demo (torch, matplotlib) load only when --lm/--full runs
     import transformers
 
     from graftmerge.demo import lm_pipeline
@@ -138,6 +142,7 @@ def _lm_demo(workdir: Path | None, size: str, replay: float | None) -> None:
 
 
 def _minimal_model(root: Path) -> None:
+    # lazy: the minimal model loads torch and matplotlib only when the demo runs
     from graftmerge.demo.gated_experts import (
         format_gated_experts,
         plot_gated_experts,
@@ -152,6 +157,7 @@ def _minimal_model(root: Path) -> None:
 
 
 def _suggest(config: Path) -> None:
+    # lazy: suggesting reads the graft plan (torch, mergekit) only when the demo runs
     from graftmerge.pipeline.suggest import suggest_graft
 
     click.echo(f"5. graftmerge suggest {config}: λ and ρ from the Fisher cache and the delta alone")
@@ -161,7 +167,7 @@ def _suggest(config: Path) -> None:
 
 
 def _run_mergekit(config: Path, out: Path) -> None:
-    import yaml
+    # lazy: mergekit only when the demo runs, after import_hook.install(), so run_merge is the wrapped one
     from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
@@ -171,6 +177,7 @@ def _run_mergekit(config: Path, out: Path) -> None:
 
 
 def _report(paths: dict, out: Path, fisher_path: Path, weight: float) -> None:
+    # lazy: checkpoints and Fisher caches load torch only when the demo runs
     from graftmerge.formats.checkpoint import Checkpoint
     from graftmerge.formats.fisher_cache import open_fisher_cache
 

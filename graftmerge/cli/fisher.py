@@ -6,10 +6,19 @@ from pathlib import Path
 
 import click
 
-from graftmerge.cli import report_errors
+from graftmerge.cli import LazyGroup, report_errors
+
+FISHER_COMMANDS = {
+    "push": ("graftmerge.cli.hub", "fisher_push",
+             "Upload the Fisher cache folder PATH to the Hub model repo REPO_ID (org/name), with a model card."),
+    "pull": ("graftmerge.cli.hub", "fisher_pull",
+             "Download the Fisher cache REPO_ID[@REV] (also hf://org/name@rev) into the Hugging Face cache."),
+    "compress": ("graftmerge.cli.fisher_compress", "fisher_compress",
+                 "Copy a KFAC Fisher cache keeping only the top-K eigenvectors of each factor side."),
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, lazy_commands=FISHER_COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 def fisher() -> None:
     """Retention Fisher caches of a post-trained model."""
 
@@ -104,6 +113,7 @@ def estimate(
     graftmerge fisher estimate ./post -o fisher/post-kfac --kind kfac --rollouts rollouts.jsonl
     torchrun --nproc-per-node 4 $(which graftmerge) fisher estimate ./post -o fisher/x ...
     """
+    # lazy: the estimator loads torch and transformers; only when the command runs, so --help stays fast
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
 
     settings = EstimateSettings(
@@ -112,12 +122,3 @@ def estimate(
     written = estimate_fisher(settings)
     if written is not None:
         click.echo(f"wrote {written}")
-
-from graftmerge.cli.hub import fisher_pull, fisher_push  # noqa: E402 - Hub commands join the group
-
-fisher.add_command(fisher_push)
-fisher.add_command(fisher_pull)
-
-from graftmerge.cli.fisher_compress import fisher_compress  # noqa: E402 - compress joins the group
-
-fisher.add_command(fisher_compress)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from graftmerge.cli import report_errors
@@ -42,6 +44,7 @@ def fisher_compress(cache: str, rank: int, output: str, config_file: str | None,
     graftmerge fisher compress fisher/post-kfac --rank 256 -o fisher/post-kfac-r256
     graftmerge fisher compress fisher/post-kfac -k 256 -o fisher/r256 --report-delta graft-kfac.yml
     """
+    # lazy: compression and graft configs load torch and mergekit only when the command runs, so --help stays fast
     from graftmerge.pipeline.fisher_compress import (
         check_compress,
         compress_cache,
@@ -53,8 +56,6 @@ def fisher_compress(cache: str, rank: int, output: str, config_file: str | None,
     plan = None
     check_compress(cache, output, rank)
     if config_file:
-        import dataclasses
-
         from graftmerge.pipeline.graft_plan import GraftInputs, read_graft_config
 
         _, _, plan = read_graft_config(config_file)  # checked completely before anything is written

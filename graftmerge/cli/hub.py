@@ -33,6 +33,7 @@ def push_command(kind: ArtifactKind, example: str) -> click.Command:
     @report_errors
     def push(path: Path, repo_id: str, private: bool, revision: str | None, token: str | None,
              quiet: bool, verbose: bool) -> None:
+        """Push, then say what was sent and how to use it (the --help text is set below, per kind)."""
         result = push_artifact(kind, path, repo_id, revision=revision, private=private, token=token,
                                progress=not quiet)
         reference = result.repo_id if result.revision == "main" else f"{result.repo_id}@{result.revision}"
@@ -71,6 +72,7 @@ def pull_command(kind: ArtifactKind, example: str) -> click.Command:
     @report_errors
     def pull(reference: str, output: Path | None, overwrite: bool, token: str | None, quiet: bool,
              verbose: bool, layers: tuple[str, ...] = ()) -> None:
+        """Pull, then say what was fetched and how to use it (the --help text is set below, per kind)."""
         target = parse_hub_reference(reference)
         result = pull_artifact(kind, target, output=output, layers=layers, token=token,
                                overwrite=overwrite, progress=not quiet)

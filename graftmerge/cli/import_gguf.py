@@ -36,6 +36,7 @@ def import_gguf(file: Path, output: Path, dtype: str, max_shard_size: str, overw
     graftmerge import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o ./post
     graftmerge import-gguf model.Q8_0.gguf -o ./post --dtype bfloat16 --overwrite
     """
+    # lazy: the importer loads torch and gguf; only when the command runs, so --help stays fast
     from graftmerge.formats.gguf_import import import_gguf as run_import
 
     written = run_import(file, output, dtype, overwrite=overwrite, max_shard_size=max_shard_size)

@@ -9,6 +9,7 @@ import click
 from mergekit.options import MergeOptions, add_merge_options
 
 from graftmerge.adapter import import_hook
+from graftmerge.hub.models import localize_models
 
 
 @click.command("merge")
@@ -23,9 +24,9 @@ def merge(merge_options: MergeOptions, config_file: str, out_path: str) -> None:
     merged; a failed graft leaves nothing in OUT_PATH.
     """
     import_hook.install()
+    # lazy: after install(), so run_merge is the hook's wrapped one; mergekit's merge code skipped by --help
     from mergekit.merge import run_merge
 
-    from graftmerge.hub.models import localize_models
     from graftmerge.pipeline.graft_plan import read_merge_config
 
     merge_options.apply_global_options()

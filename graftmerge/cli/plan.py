@@ -35,6 +35,7 @@ def parse_values(text: str, option: str, *, rho: bool = False) -> list[float]:
 
 def open_for_masks(plan, rhos: list[float]):
     """GraftInputs of ``plan`` with its Fisher cache opened and checked (the config must name one)."""
+    # lazy: the graft plan loads torch and mergekit; only when masks are opened, so --help stays fast
     from graftmerge.pipeline.graft_plan import GraftInputs
 
     if not plan.fisher:
@@ -67,6 +68,7 @@ def plan(config_file: str, rho_list: str, device: str, json_path: str | None, no
     graftmerge plan merge_configs/graft.yml --rho 0.001,0.01,0.1
     graftmerge plan graft.yml --rho 0.01 --json plan.json
     """
+    # lazy: the graft plan loads torch and mergekit; only when the command runs, so --help stays fast
     from graftmerge.pipeline.graft_plan import read_graft_config
     from graftmerge.pipeline.plan import format_report, plan_report, report_json
 

@@ -59,6 +59,7 @@ def suggest(config_file: str, rho_grid: str | None, kl_budget: str, max_lambda: 
     graftmerge suggest merge_configs/graft.yml
     graftmerge suggest graft.yml --kl-budget 0.02 --rho-grid 0.0001,0.001,0.01,0.1 --json s.json
     """
+    # lazy: suggesting reads the graft plan (torch, mergekit); only when the command runs, so --help stays fast
     from graftmerge.pipeline.suggest import format_suggestion, suggest_graft
 
     budget = parse_positive(kl_budget, "--kl-budget")

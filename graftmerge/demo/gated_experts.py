@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matplotlib.figure import Figure
 
 METHODS = ("sft", "sft_merge", "graft")
 LABELS = {"sft": "SFT", "sft_merge": "SFT + merge", "graft": "graft (donor Δ)"}
@@ -116,6 +117,7 @@ def make_tasks(config: GatedExpertsConfig) -> Tasks:
     d = config.dim
 
     def normal(*shape: int) -> torch.Tensor:
+        """Standard normal float64 draws from the run's one generator (so the seed fixes every draw)."""
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
     u, v = torch.linalg.qr(normal(d, 2))[0].T  # orthonormal: shared and task-specific directions
@@ -125,6 +127,7 @@ def make_tasks(config: GatedExpertsConfig) -> Tasks:
     beta_a, beta_b = normal(d) / math.sqrt(d), normal(d) / math.sqrt(d)
 
     def sample(mu: torch.Tensor, beta: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n`` inputs x ~ N(μ, σ²I) and their true targets βᵀx."""
         x = mu + config.noise_std * normal(n, d)
         return x, x @ beta
 
@@ -376,15 +379,15 @@ def format_gated_experts(result: dict[str, Any]) -> str:
 
 
 def plot_gated_experts(result: dict[str, Any], path: str | os.PathLike) -> Path:
-    """A PNG: every point and the Pareto frontier of each method, task-A vs task-B loss."""
-    import matplotlib
+    """A PNG: every point and the Pareto frontier of each method, task-A vs task-B loss.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    Drawn on a bare :class:`~matplotlib.figure.Figure` (no pyplot): no GUI backend is
+    chosen or needed, and no global pyplot state is touched.
+    """
     path = Path(path)
     colors = {"sft": "#c0392b", "sft_merge": "#e67e22", "graft": "#2a7ab9"}
-    figure, axis = plt.subplots(figsize=(7.0, 5.0))
+    figure = Figure(figsize=(7.0, 5.0))
+    axis = figure.subplots()
     for m in METHODS:
         points = result["curves"][m]
         axis.scatter([p["loss_a"] for p in points], [p["loss_b"] for p in points], s=6,
@@ -405,5 +408,4 @@ def plot_gated_experts(result: dict[str, Any], path: str | os.PathLike) -> Path:
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, format="png", dpi=100)
-    plt.close(figure)
     return path

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
 
 from graftmerge.demo.world import BOS, EOS, PAD, Example
@@ -34,8 +35,6 @@ class ModelSize:
 
 def build_model(size: ModelSize, vocab_size: int, seed: int) -> nn.Module:
     """A freshly initialised Qwen3ForCausalLM; ids of the specials set so sampling stops at EOS."""
-    import transformers
-
     config = transformers.Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=size.hidden_size,
@@ -56,8 +55,7 @@ def build_model(size: ModelSize, vocab_size: int, seed: int) -> nn.Module:
 
 
 def load_model(folder: str | Path) -> nn.Module:
-    import transformers
-
+    """A saved model (or a merge output) back in float32, in eval mode, ready for :func:`score`."""
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
@@ -68,6 +66,7 @@ def save_model(model: nn.Module, folder: str | Path) -> Path:
 
 
 def parameter_count(model: nn.Module) -> int:
+    """Number of parameters (tied embeddings counted once), for the demo's report."""
     return sum(p.numel() for p in model.parameters())
 
 
@@ -85,6 +84,8 @@ def batch_tensors(examples: Sequence[Example], answer_only: bool) -> tuple[torch
 
 @dataclass(frozen=True)
 class TrainSettings:
+    """One training stage: its length, peak learning rate, batch, loss positions and shuffle seed."""
+
     steps: int
     learning_rate: float
     batch_size: int = 64
@@ -100,6 +101,7 @@ def train(model: nn.Module, examples: Sequence[Example], settings: TrainSettings
     warmup = max(1, settings.steps // 10)
 
     def schedule(step: int) -> float:
+        """Learning-rate factor: linear warm-up over 10% of the steps, then cosine to 0."""
         if step < warmup:
             return (step + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, settings.steps - warmup)))

@@ -22,6 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
 from graftmerge.demo.lm import (
     ModelSize,
     TrainSettings,
@@ -33,10 +37,13 @@ from graftmerge.demo.lm import (
     train,
 )
 from graftmerge.demo.world import World
+from graftmerge.pipeline.suggest import suggest_graft
 
 
 @dataclass(frozen=True)
 class LmDemoSettings:
+    """Everything that decides a comparison: model and world size, each stage's steps and rate, the grids."""
+
     size: ModelSize = ModelSize()
     known_entities: int = 48
     new_entities: int = 24
@@ -96,6 +103,7 @@ out_dtype: float32
 
 
 def graft_config(paths: dict[str, Path], lam: float, rho: float, mask: str | None) -> str:
+    """A graft config of the seed's models at (λ, ρ); ``mask`` None = no Fisher, no mask."""
     fisher = "" if mask is None else f"  fisher: {paths['fisher']}\n  mask: {mask}\n  rho_scope: global\n"
     return GRAFT.format(post=paths["post"], donor=paths["donor"], donor_ft=paths["donor_ft"],
                         lam=lam, rho=rho, fisher=fisher)
@@ -103,6 +111,8 @@ def graft_config(paths: dict[str, Path], lam: float, rho: float, mask: str | Non
 
 @dataclass
 class Point:
+    """One scored model: which method and (λ, ρ) made it, its accuracies and answer NLLs on both tasks."""
+
     method: str
     lam: float | None
     rho: float | None
@@ -115,6 +125,8 @@ class Point:
 
 @dataclass
 class SeedRun:
+    """Everything one seed produced: its scored points, the suggestions, and how donor-ft scored."""
+
     seed: int
     parameters: int
     points: list[Point] = field(default_factory=list)
@@ -123,8 +135,6 @@ class SeedRun:
 
 
 def _train_stage(model, examples, settings: TrainSettings, label: str, echo: Callable[[str], None]):
-    from tqdm import tqdm
-
     with tqdm(total=settings.steps, desc=label, leave=False, disable=None) as bar:
         losses = train(model, examples, settings, progress=bar)
     echo(f"   {label}: {settings.steps} steps, final loss {losses[-1]:.3f}")
@@ -141,10 +151,14 @@ def _script(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
+# a model -> its (old, new, old_nll, new_nll) scores
+_Evaluate = Callable[[Any], tuple[float, float, float, float]]
+# name -> (method, mergekit config text, λ, ρ)
+_MergeConfigs = dict[str, tuple[str, str, float | None, float | None]]
+
+
 def run_seed(settings: LmDemoSettings, seed: int, root: Path, echo: Callable[[str], None]) -> SeedRun:
     """Every stage for one seed; models and merges are written under ``root``."""
-    import torch
-
     torch.manual_seed(seed)
     world = World(settings.known_entities, settings.new_entities, seed=seed)
     rng = random.Random(seed)
@@ -153,9 +167,20 @@ def run_seed(settings: LmDemoSettings, seed: int, root: Path, echo: Callable[[st
     paths = {name: root / name for name in ("donor", "post", "post_ft", "donor_ft", "fisher")}
 
     def evaluate(model) -> tuple[float, float, float, float]:
+        """(old, new, old_nll, new_nll) of ``model``: the scores of a :class:`Point`."""
         old, new = score(model, old_test), score(model, new_test)
         return old.accuracy, new.accuracy, old.answer_nll, new.answer_nll
 
+    run = _train_models(settings, world, seed, rng, paths, evaluate, echo)
+    _estimate_fisher(settings, world, seed, rng, root, paths, echo)
+    configs = _merge_configs(settings, paths, root, run)
+    _run_merges(configs, root, run, evaluate, echo)
+    return run
+
+
+def _train_models(settings: LmDemoSettings, world: World, seed: int, rng: random.Random, paths: dict[str, Path],
+                  evaluate: _Evaluate, echo: Callable[[str], None]) -> SeedRun:
+    """Pretrain the donor, post-train θpost, fine-tune both on the new facts; save all four, score three."""
     donor = build_model(settings.size, world.vocab_size, seed)
     run = SeedRun(seed, parameter_count(donor))
     echo(f"   seed {seed}: Qwen3, {run.parameters / 1e6:.2f}M parameters, vocabulary {world.vocab_size}")
@@ -176,8 +201,12 @@ def run_seed(settings: LmDemoSettings, seed: int, root: Path, echo: Callable[[st
     run.donor_ft = {"old": old, "new": new}
     run.points.append(Point("post", 0.0, None, *evaluate(post)))
     run.points.append(Point("sft", 1.0, None, *evaluate(post_ft)))
-    del donor, post, post_ft, donor_ft
+    return run
 
+
+def _estimate_fisher(settings: LmDemoSettings, world: World, seed: int, rng: random.Random, root: Path,
+                     paths: dict[str, Path], echo: Callable[[str], None]) -> None:
+    """θpost's retention Fisher (diagonal and KFAC) by the real CLI, from its own rollouts on task-A prompts."""
     prompts = root / "old_task_prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": ids}) + "\n"
                                for ids in world.old_task_prompts(settings.fisher_prompts, rng)))
@@ -186,9 +215,10 @@ def run_seed(settings: LmDemoSettings, seed: int, root: Path, echo: Callable[[st
           "--kind", "both", "--prompts", str(prompts), "--samples-per-prompt", "2", "--max-new-tokens", "16",
           "--seed", str(seed), "--no-progress"], "fisher estimate")
 
-    from graftmerge.pipeline.suggest import suggest_graft
 
-    configs: dict[str, tuple[str, str, float | None, float | None]] = {}
+def _merge_configs(settings: LmDemoSettings, paths: dict[str, Path], root: Path, run: SeedRun) -> _MergeConfigs:
+    """Every merge of the sweep, plus each mask's suggested point (recorded in ``run.suggestions``)."""
+    configs: _MergeConfigs = {}
     for lam in settings.lambdas:
         configs[f"sft_merge-l{lam:g}"] = ("sft+merge", SFT_MERGE.format(post=paths["post"], post_ft=paths["post_ft"],
                                                                         lam=lam), lam, None)
@@ -205,6 +235,12 @@ def run_seed(settings: LmDemoSettings, seed: int, root: Path, echo: Callable[[st
                                  "predicted_kl": suggestion.predicted_kl}
         configs[f"suggested_{mask}"] = (f"suggest {mask}", graft_config(paths, suggestion.lam, suggestion.rho, mask),
                                         suggestion.lam, suggestion.rho)
+    return configs
+
+
+def _run_merges(configs: _MergeConfigs, root: Path, run: SeedRun, evaluate: _Evaluate,
+                echo: Callable[[str], None]) -> None:
+    """All merges in one stock ``mergekit-multi`` process, then every output scored into ``run.points``."""
     echo(f"   mergekit-multi: {len(configs)} merges (task_arithmetic and graft)")
     documents = [f"name: {name}\n{text}" for name, (_, text, _, _) in configs.items()]
     (root / "merges.yml").write_text("---\n".join(documents))
@@ -212,7 +248,6 @@ def run_seed(settings: LmDemoSettings, seed: int, root: Path, echo: Callable[[st
          "mergekit-multi")
     for name, (method, _, lam, rho) in configs.items():
         run.points.append(Point(method, lam, rho, *evaluate(load_model(root / "merges" / name))))
-    return run
 
 
 def check_lambda_zero(run: SeedRun) -> None:
@@ -282,6 +317,7 @@ def suggestion_vs_sweep(rows: list[dict[str, Any]], runs: list[SeedRun]) -> dict
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
+    """The aggregated rows as an aligned text table; ± the spread over seeds when there are several."""
     lines = [f"   {'method':18s} {'λ':>6s} {'ρ':>8s}  {'old task A':>14s}  {'new (held-out)':>14s}"]
     for r in rows:
         lam = "" if r["lam"] is None else f"{r['lam']:.3g}"
@@ -307,12 +343,13 @@ PLOT_STYLES: dict[str, dict[str, Any]] = {
 
 
 def plot(rows: list[dict[str, Any]], path: Path, replay: float) -> Path:
-    import matplotlib
+    """A PNG of old- vs new-task accuracy, every method's points and its Pareto frontier.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 5))
+    Drawn on a bare :class:`~matplotlib.figure.Figure` (no pyplot): no GUI backend is
+    chosen or needed, and no global pyplot state is touched.
+    """
+    figure = Figure(figsize=(7, 5))
+    axes = figure.subplots()
     methods = list(dict.fromkeys(r["method"] for r in rows))
     for method in methods:
         points = [r for r in rows if r["method"] == method]
@@ -328,7 +365,6 @@ def plot(rows: list[dict[str, Any]], path: Path, replay: float) -> Path:
     axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)
     return path
 
 

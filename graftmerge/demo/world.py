@@ -98,12 +98,15 @@ class World:
 
     @property
     def vocab_size(self) -> int:
+        """Number of token ids (specials, words and entity names), the model's embedding rows."""
         return len(self.words)
 
     def encode(self, text: str) -> list[int]:
+        """Space-separated words to ids; every word must be in the vocabulary (KeyError otherwise)."""
         return [self.index[word] for word in text.split()]
 
     def decode(self, ids) -> str:
+        """Ids back to space-separated words (for reading samples)."""
         return " ".join(self.words[i] for i in ids)
 
     # -- sequences ---------------------------------------------------------------------
@@ -113,10 +116,12 @@ class World:
         return Example(tuple(prompt + answer_ids), len(prompt))
 
     def fact(self, entity: str, relation: str, phrasing: int, chat: bool) -> Example:
+        """The question about ``entity``'s ``relation`` in phrasing number ``phrasing``, answered with its value."""
         question = PHRASINGS[phrasing].format(r=relation, e=entity)
         return self._example(question, self.facts[entity, relation], chat)
 
     def list_operation(self, operation: str, rng: random.Random, chat: bool) -> Example:
+        """``operation`` applied to a random list of ``list_length`` digits drawn from ``rng``."""
         digits = [rng.randrange(10) for _ in range(self.list_length)]
         result = {
             "reverse": digits[::-1],

