@@ -1,5 +1,7 @@
 """The one exception type users see: a problem with their input, said in one line."""
 
+import click
+
 
 class GraftError(ValueError):
     """Bad input (config, checkpoint, Fisher cache); the message says what to do next.
@@ -9,14 +11,16 @@ class GraftError(ValueError):
     """
 
 
+class OneLineError(click.ClickException):
+    """A click exception shown as ``error: <message>`` (no usage text), exit status 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        """Print ``error: <message>`` to stderr (``file`` is ignored: errors always go to stderr)."""
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
 def cli_error(error: GraftError):
     """A click exception that prints ``error: <message>`` and exits 2."""
-    import click
-
-    class OneLineError(click.ClickException):
-        exit_code = 2
-
-        def show(self, file=None) -> None:
-            click.echo(f"error: {self.format_message()}", err=True)
-
     return OneLineError(str(error))

@@ -22,23 +22,30 @@ _AFTER_IMPORT = {
 
 
 class _PatchingLoader:
+    """The real loader of a watched mergekit module, calling its graftmerge hook once it has run."""
+
     def __init__(self, loader, fullname: str):
         self._loader = loader
         self._fullname = fullname
 
     def create_module(self, spec):
+        """The real loader's module (or None for the default), unchanged."""
         return self._loader.create_module(spec)
 
     def __getattr__(self, name):  # get_code, get_source, ... of the real loader
         return getattr(self._loader, name)
 
     def exec_module(self, module) -> None:
+        """Run the real module, then its graftmerge hook (register graft, wrap run_merge)."""
         self._loader.exec_module(module)
         _call_after_import(self._fullname, module)
 
 
 class _PostImportFinder:
+    """A meta path finder that only wraps the loaders of the mergekit modules in ``_AFTER_IMPORT``."""
+
     def find_spec(self, fullname, path, target=None):
+        """The spec the other finders give a watched module, its loader wrapped; None otherwise."""
         if fullname not in _AFTER_IMPORT:
             return None
         for finder in sys.meta_path:
@@ -62,6 +69,8 @@ def install() -> None:
 
 def _call_after_import(name: str, module) -> None:
     target_module, function = _AFTER_IMPORT[name]
+    # lazy: this module is imported at every interpreter start (graftmerge_hook.pth), so
+    # the adapter (torch, mergekit, the pipeline) is imported only once mergekit itself is.
     __import__(target_module)
     # When graftmerge.adapter.merge_method itself triggered this import it is still
     # half-initialised; it registers itself once its own import finishes.

@@ -2,15 +2,22 @@
 
 Registered by the import hook when mergekit's registry is first imported, so
 the stock ``mergekit-yaml`` knows ``merge_method: graft``.
+
+mergekit's registry module is imported at the top, safely in either order: when the
+hook imports this module, the registry has already run; when this module is imported
+first, its mergekit imports run the registry (the hook then finds ``register_graft``
+not yet defined and skips it), and the lines at the bottom register graft.
 """
 
 from __future__ import annotations
 
 import sys
+from types import ModuleType
 from typing import Any
 
 import torch
 from mergekit.common import ModelReference
+from mergekit.merge_methods import registry as mergekit_registry
 from mergekit.merge_methods.base import (
     BasePolicy,
     GroupMergeMethod,
@@ -56,6 +63,7 @@ class GraftMergeMethod(GroupMergeMethod):
         )
 
     def validate_inputs(self, input_ids, base_id=None, *, group_name=None) -> None:
+        """mergekit's input checks, after a one-line GraftError when the base (θpost) is missing."""
         if base_id is None or base_id not in input_ids:
             raise GraftError(
                 "graft needs a base input: the post-trained model that receives the graft "
@@ -64,6 +72,7 @@ class GraftMergeMethod(GroupMergeMethod):
         super().validate_inputs(input_ids, base_id, group_name=group_name)
 
     def merge_group(self, group: TensorGroup, /, **parameters: Any) -> torch.Tensor:
+        """One weight from mergekit's graph: sort the inputs by role, validate the plan, graft."""
         post = group.base.tensor
         donor, donor_folder, fine_tunes, fine_tune_tensors, deltas, delta_tensors = None, None, [], [], [], []
         for entry in group.non_base:
@@ -130,6 +139,7 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
     dtypes = {name: dtype for name, dtype in zip(names, input_dtypes)}
 
     def source(key, label: str) -> InMemoryCheckpoint:
+        """Input ``key``'s tensor of every group, as one in-memory checkpoint."""
         index = ids.index(key)
         return InMemoryCheckpoint({n: g.entries[index].tensor for n, g in zip(names, groups)}, dtypes, label)
 
@@ -159,10 +169,11 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
 graft_merge_method = GraftMergeMethod()
 
 
-def register_graft(registry_module=None) -> None:
-    """Register ``graft`` with mergekit; a second call is a no-op."""
-    if registry_module is None:
-        from mergekit.merge_methods import registry as registry_module
+def register_graft(registry_module: ModuleType = mergekit_registry) -> None:
+    """Register ``graft`` with mergekit; a second call is a no-op.
+
+    The import hook passes the registry module it has just run; the default is the same module.
+    """
     if "graft" not in {m.spec.name for m in registry_module.registered_methods()}:
         registry_module.register(graft_merge_method)
 
@@ -174,6 +185,7 @@ def wrap_run_merge(merge_module) -> None:
         return  # half-imported: the import hook wraps it once mergekit.merge finishes
 
     def run_merge(merge_config, out_path, options, config_source=None):
+        """mergekit's run_merge; graft configs go through run_graft_merge (docstring: the original's)."""
         if merge_config.merge_method != "graft":
             return original(merge_config, out_path, options=options, config_source=config_source)
         return run_graft_merge(original, merge_config, out_path, options, config_source)

@@ -39,6 +39,8 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """One tensor as a header describes it: name, shape, dtype and the shard holding it."""
+
     name: str
     shape: tuple[int, ...]
     dtype: str  # safetensors spelling, e.g. "BF16"
@@ -46,14 +48,17 @@ class TensorInfo:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of the stored tensor."""
         return SAFETENSORS_DTYPES[self.dtype][0]
 
     @property
     def is_floating(self) -> bool:
+        """Whether the tensor has a floating dtype (only those carry a delta)."""
         return self.torch_dtype.is_floating_point
 
     @property
     def numel(self) -> int:
+        """Number of elements."""
         return math.prod(self.shape)
 
 
@@ -109,6 +114,7 @@ class TensorSource:
     tensors: dict[str, TensorInfo]
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor (or its rows ``[start, stop)``), as stored; subclasses implement it."""
         raise NotImplementedError
 
     def fingerprint(self) -> dict[str, dict]:
@@ -189,6 +195,7 @@ class InMemoryCheckpoint(TensorSource):
         }
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor (or its rows ``[start, stop)``), cast to its recorded dtype, contiguous."""
         tensor = self._tensors[name]
         if rows is not None:
             tensor = tensor[rows[0] : rows[1]]

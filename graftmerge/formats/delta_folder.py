@@ -97,14 +97,17 @@ class DeltaFolder:
 
     @property
     def donor(self) -> dict[str, Any]:
+        """The manifest's record of the donor the delta was extracted from."""
         return self.manifest["donor"]
 
     @property
     def weight(self) -> float:
+        """The weight the delta was scaled by at extraction."""
         return float(self.manifest["weight"])
 
     @property
     def dtype(self) -> str:
+        """The dtype the delta is stored in (``float32`` or ``bfloat16``)."""
         return self.manifest["dtype"]
 
     def check_donor(self, donor: Checkpoint) -> None:

@@ -197,6 +197,7 @@ class FisherCacheWriter:
         digest = hashlib.sha256(factor.contiguous().numpy().tobytes()).hexdigest()
 
         def decompose() -> tuple[torch.Tensor | None, torch.Tensor]:
+            """Check the factor and eigendecompose its symmetric part (a 1-D factor is its own spectrum)."""
             if not torch.isfinite(factor).all():
                 raise GraftError(f"KFAC factor {label} for {name!r} contains NaN or Inf")
             if factor.ndim == 1:
@@ -223,6 +224,7 @@ class FisherCacheWriter:
             hasher.update(vectors.contiguous().numpy().tobytes())
 
         def checked() -> tuple[torch.Tensor | None, torch.Tensor]:
+            """The given eigenvectors (checked orthonormal) and eigenvalues."""
             if vectors is not None:
                 check_orthonormal(vectors, f"KFAC eigenvectors {label} for {name!r}")
             return vectors, values
@@ -382,10 +384,12 @@ class FisherCache:
 
     @property
     def kind(self) -> str:
+        """What the cache holds: ``diagonal``, ``kfac``, ``mixed`` (both) or ``empty``."""
         return self.manifest["kind"]
 
     @property
     def model_tensors(self) -> dict[str, dict[str, Any]]:
+        """The model's tensors (shape, dtype) that the cache was made for."""
         return self.manifest["model"]["tensors"]
 
     def representation(self, name: str) -> str | None:
@@ -394,6 +398,7 @@ class FisherCache:
         return entry["representation"] if entry else None
 
     def has(self, name: str, representation: str) -> bool:
+        """Whether ``name`` has an entry in ``representation`` (``diagonal``, ``kfac``)."""
         return representation in self.entries.get(name, {})
 
     def kfac_side(self, name: str, side: str) -> dict[str, Any]:
@@ -476,6 +481,7 @@ class FisherCache:
                 raise GraftError(f"Fisher cache {self.path} has an entry for unknown tensor {name!r}")
 
     def file_stamps(self) -> list[tuple[str, int, int]]:
+        """(resolved path, size, mtime) of the manifest and every shard: changes when the cache does."""
         stamps = []
         for file in sorted({*self._files.values(), MANIFEST_NAME}):
             stat = (self.path / file).stat()

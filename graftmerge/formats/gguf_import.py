@@ -15,6 +15,7 @@ weights, which the GGUF no longer contains.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import shutil
 import tempfile
@@ -23,12 +24,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.utils import logging as hf_logging
 
 from graftmerge.errors import GraftError
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _optional(module: str, name: str) -> Any:
+    """``module.name`` where the installed transformers has it, else None (its GGUF support varies by version)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+# Looked up once, here: a plain import would fail on the transformers versions that lack them.
+# transformers' own GGUF path (architectures it packs natively, with its own dequantizer);
+# without it, gguf-py dequantizes everything.
+IS_GGUF_ARCH_SUPPORTED = _optional("transformers.integrations.gguf.utils", "is_gguf_arch_supported")
+TRANSFORMERS_DEQUANTIZE = _optional("transformers.integrations.gguf.dequant", "dequantize")
+# transformers ≥ 5.2x can keep GGUF blocks packed unless asked for plain tensors; older versions always dequantize.
+GGUF_CONFIG = _optional("transformers", "GgufConfig")
 
 
 @dataclass(frozen=True)
@@ -52,8 +76,6 @@ def read_gguf_header(file: str | os.PathLike) -> GgufHeader:
         magic = handle.read(4)
     if magic != GGUF_MAGIC:
         raise GraftError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
-    from gguf import GGUFReader
-
     try:
         reader = GGUFReader(path, "r")  # read-only memory map
     except Exception as error:  # gguf-py raises ValueError, struct.error, IndexError ... on corrupt files
@@ -70,9 +92,6 @@ def read_gguf_header(file: str | os.PathLike) -> GgufHeader:
 
 def causal_lm_config(header: GgufHeader):
     """transformers' config for the GGUF; GraftError unless transformers maps it to a causal LM."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     path = header.path
     try:
         with _quiet_transformers():
@@ -115,29 +134,22 @@ def check_dequantizable(header: GgufHeader) -> None:
 
 
 def _can_dequantize(architecture: str, type_name: str) -> bool:
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
+    """Whether the dequantizer transformers will use for ``architecture`` unpacks one block of the type."""
     qtype = GGMLQuantizationType[type_name]
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
         return True
     _, block_bytes = GGML_QUANT_SIZES[qtype]
     block = np.zeros((1, block_bytes), dtype=np.uint8)
     try:
-        from transformers.integrations.gguf.utils import is_gguf_arch_supported
-
-        native = is_gguf_arch_supported(architecture)
+        native = (IS_GGUF_ARCH_SUPPORTED is not None and TRANSFORMERS_DEQUANTIZE is not None
+                  and IS_GGUF_ARCH_SUPPORTED(architecture))
     except ImportError:  # transformers without its own GGUF path: gguf-py dequantizes everything
         native = False
     try:
         if native:
-            from transformers.integrations.gguf.dequant import dequantize
-
-            dequantize(torch.from_numpy(block).reshape(-1), int(qtype))
+            TRANSFORMERS_DEQUANTIZE(torch.from_numpy(block).reshape(-1), int(qtype))
         else:
-            from gguf.quants import dequantize
-
-            dequantize(block, qtype)
+            gguf_dequantize(block, qtype)
     except (NotImplementedError, ValueError, KeyError):
         return False
     return True
@@ -182,14 +194,8 @@ def import_gguf(
 
 def _load_model(header: GgufHeader, dtype: torch.dtype):
     """The dense model (every weight dequantized), with the GGUF quantizer detached so it saves."""
-    from transformers import AutoModelForCausalLM
-
-    try:  # transformers ≥ 5.2x can keep GGUF blocks packed; ask for plain tensors
-        from transformers import GgufConfig
-
-        unpacked = {"quantization_config": GgufConfig(dequantize=True)}
-    except ImportError:  # older versions always dequantize
-        unpacked = {}
+    # transformers ≥ 5.2x can keep GGUF blocks packed; ask for plain tensors (older versions always dequantize)
+    unpacked = {"quantization_config": GGUF_CONFIG(dequantize=True)} if GGUF_CONFIG is not None else {}
     path = header.path
     try:
         with _quiet_transformers():
@@ -211,8 +217,7 @@ def _load_model(header: GgufHeader, dtype: torch.dtype):
 
 
 def _load_tokenizer(header: GgufHeader) -> Any:
-    from transformers import AutoTokenizer
-
+    """The GGUF's tokenizer as transformers reads it; GraftError naming the file if it cannot."""
     path = header.path
     try:
         with _quiet_transformers():
@@ -241,8 +246,6 @@ def staged_folder(out: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """transformers logs GGUF parsing details at warning level; they are not the user's concern."""
-    from transformers.utils import logging as hf_logging
-
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:

@@ -24,6 +24,7 @@ class RotationStore:
         self._files: dict[str, Path] = {}
 
     def save(self, name: str, rotated: torch.Tensor) -> None:
+        """Keep Δ̃ of ``name`` in a new file (on the CPU)."""
         file = self.folder / f"{len(self._files):05d}.safetensors"
         save_file({"rotated": rotated.detach().to("cpu").contiguous()}, str(file))
         self._files[name] = file

@@ -40,6 +40,7 @@ def kfac_diagonal(factors: KfacFactors) -> torch.Tensor:
     """
 
     def side(vectors: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+        """diag of one factor side in float64: σ itself for an identity side, else Σ_k U_ik² σ_k."""
         values = values.to(torch.float64)
         return values if vectors is None else vectors.to(torch.float64).square() @ values
 

@@ -43,6 +43,7 @@ class GlobalThreshold:
     positives: int
 
     def to_json(self) -> dict:
+        """The threshold as JSON-ready values (``from_json`` reads them back)."""
         return {
             "threshold": self.threshold,
             "tie_quota": self.tie_quota,
@@ -53,6 +54,7 @@ class GlobalThreshold:
 
     @classmethod
     def from_json(cls, data: dict) -> GlobalThreshold:
+        """The threshold ``to_json`` wrote, with its numbers' types restored."""
         return cls(
             threshold=float(data["threshold"]),
             tie_quota={k: int(v) for k, v in data["tie_quota"].items()},
@@ -110,6 +112,7 @@ class ThresholdSearch:
     _boundary: tuple[int, int] | None = None  # (coarse bin, ties still needed in it)
 
     def add_coarse(self, name: str, scores: torch.Tensor) -> None:
+        """Histogram one tensor's (or row block's) scores; keep the bit patterns that may matter later."""
         seen = set()
         for bits in _bit_chunks(scores):
             bins = bits >> 16
@@ -149,9 +152,11 @@ class ThresholdSearch:
 
     @property
     def positives(self) -> int:
+        """Scores seen so far that can be masked (normal, positive)."""
         return int(self.coarse.sum())
 
     def needs_fine_pass(self) -> bool:
+        """Whether the threshold lies strictly inside the positive scores (else no fine step is needed)."""
         return 0 < self.k < self.positives
 
     def _find_boundary(self) -> tuple[int, int]:
@@ -170,6 +175,7 @@ class ThresholdSearch:
         return sorted(n for n in self._unspilled if self._touches_boundary(n))
 
     def add_fine(self, name: str, scores: torch.Tensor) -> None:
+        """Histogram the low bits of one re-scored tensor's scores in the boundary bin."""
         for bits in _bit_chunks(scores):
             self._add_fine_bits(name, bits)
 
@@ -185,6 +191,7 @@ class ThresholdSearch:
         self._tensor_fine[name] = (low, counts[low])
 
     def result(self) -> GlobalThreshold:
+        """The exact threshold and per-tensor tie quota, once every tensor has been added."""
         if not self.needs_fine_pass():
             # k == 0 masks nothing (threshold = +inf); k >= positives masks every positive score.
             threshold = float("inf") if self.k == 0 else 0.0

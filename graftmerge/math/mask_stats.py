@@ -36,6 +36,7 @@ class MultiThresholdSearch:
 
     @classmethod
     def create(cls, rhos: Iterable[float], total: int) -> MultiThresholdSearch:
+        """A search per positive ρ over ``total`` directions, sharing one spill budget."""
         rhos = tuple(rhos)
         positive = [rho for rho in rhos if rho > 0]
         limit = _TOTAL_SPILL // max(1, len(positive))
@@ -43,6 +44,7 @@ class MultiThresholdSearch:
         return cls(rhos=rhos, total=total, searches=searches)
 
     def add_coarse(self, name: str, scores: torch.Tensor) -> None:
+        """Feed one tensor's (or row block's) scores to every search."""
         for search in self.searches.values():
             search.add_coarse(name, scores)
 
@@ -53,6 +55,7 @@ class MultiThresholdSearch:
         return sorted(set().union(*self._fine_names.values()))
 
     def add_fine(self, name: str, scores: torch.Tensor) -> None:
+        """Feed a re-scored tensor to the searches that asked for it."""
         self.fine_pass_names()
         for rho, search in self.searches.items():
             if name in self._fine_names[rho]:
@@ -76,6 +79,7 @@ class MaskTally:
     masked_score: float = 0.0
 
     def add(self, scores: torch.Tensor, mask: torch.Tensor) -> None:
+        """Count the directions ``mask`` removes and their score mass."""
         self.masked += int(mask.sum())
         self.masked_score += float(scores[mask].sum(dtype=torch.float64))
 

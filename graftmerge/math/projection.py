@@ -27,6 +27,7 @@ class TensorFisher:
     kfac: KfacFactors | None = None
 
     def to(self, device: torch.device | str) -> TensorFisher:
+        """The same Fisher with its tensors on ``device``."""
         if self.kfac is not None:
             k = self.kfac
             move = lambda t: None if t is None else t.to(device)  # noqa: E731

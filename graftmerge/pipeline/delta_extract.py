@@ -79,50 +79,16 @@ def extract_delta(
     ``shard_bytes``: largest shard (``"500MB"`` or bytes); default ``DEFAULT_SHARD_BYTES``.
     """
     output = Path(output)
-    if output.exists():
-        raise GraftError(f"output {output} already exists; choose a new folder (extract never overwrites)")
-    if not math.isfinite(weight):
-        raise GraftError(f"--weight must be a finite number, got {weight}")
-    if dtype not in DTYPES:
-        raise GraftError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    shard_bytes = parse_size(DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes)
-    donor_checkpoint = Checkpoint(donor, label=f"donor {donor}")
-    ft_checkpoint = Checkpoint(donor_ft, label=f"donor_ft {donor_ft}")
-    if donor_checkpoint.folder.resolve() == ft_checkpoint.folder.resolve():
-        raise GraftError(f"DONOR and DONOR_FT are the same folder ({donor}); the delta would be zero")
-
-    check_same_tensors(donor_checkpoint, [ft_checkpoint])
-    target = DTYPES[dtype]
-    manifest = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "graftmerge_version": __version__,
-        "formula": "weight * (donor_ft - donor)",
-        "weight": weight,
-        "dtype": dtype,
-        "donor": source_record(donor_checkpoint),
-        "donor_ft": source_record(ft_checkpoint),
-        "non_floating_zeroed": sorted(n for n, i in donor_checkpoint.tensors.items() if not i.is_floating),
-    }
+    shard_bytes = _checked_options(output, weight, dtype, shard_bytes)
+    donor_checkpoint, ft_checkpoint = _open_checkpoints(donor, donor_ft)
+    manifest = _manifest(donor_checkpoint, ft_checkpoint, weight, dtype)
     itemsize = SAFETENSORS_DTYPES["F32" if dtype == "float32" else "BF16"][1]
     shards = plan_shards({n: i.numel * itemsize for n, i in donor_checkpoint.tensors.items()}, shard_bytes)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
-        weight_map: dict[str, str] = {}
-        total = 0
-        bar = tqdm(total=len(donor_checkpoint.tensors), desc="delta extract", unit="tensor", disable=not progress)
-        for number, names in enumerate(shards, start=1):
-            file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {}
-            for name in names:
-                tensors[name] = _delta_tensor(donor_checkpoint, ft_checkpoint, name, weight).to(target).contiguous()
-                total += tensors[name].numel() * tensors[name].element_size()
-                weight_map[name] = file
-                bar.update()
-            save_file(tensors, str(staging / file), metadata={"format": "pt", "graftmerge": "delta"})
-            del tensors
-        bar.close()
+        weight_map, total = _write_shards(donor_checkpoint, ft_checkpoint, shards, staging, weight,
+                                          DTYPES[dtype], progress)
         (staging / INDEX_NAME).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
         )
@@ -130,17 +96,78 @@ def extract_delta(
             shutil.copyfile(donor_checkpoint.folder / "config.json", staging / "config.json")
         (staging / (MANIFEST_NAME + ".tmp")).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         os.replace(staging / (MANIFEST_NAME + ".tmp"), staging / MANIFEST_NAME)
-        umask = os.umask(0)
-        os.umask(umask)
-        for file in staging.iterdir():  # safetensors writes shards owner-only; a delta is for sharing
-            os.chmod(file, 0o666 & ~umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp made it private
+        _make_shareable(staging)
         if output.exists():
             raise GraftError(f"output {output} appeared while extracting; nothing was written to it")
         os.replace(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output
+
+
+def _checked_options(output: Path, weight: float, dtype: str, shard_bytes: int | str | None) -> int:
+    """GraftError for a bad option (existing output, weight, dtype, shard size); the shard size in bytes."""
+    if output.exists():
+        raise GraftError(f"output {output} already exists; choose a new folder (extract never overwrites)")
+    if not math.isfinite(weight):
+        raise GraftError(f"--weight must be a finite number, got {weight}")
+    if dtype not in DTYPES:
+        raise GraftError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return parse_size(DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes)
+
+
+def _open_checkpoints(donor: str | os.PathLike, donor_ft: str | os.PathLike) -> tuple[Checkpoint, Checkpoint]:
+    """The two checkpoints (headers only); GraftError if they are one folder or hold different tensors."""
+    donor_checkpoint = Checkpoint(donor, label=f"donor {donor}")
+    ft_checkpoint = Checkpoint(donor_ft, label=f"donor_ft {donor_ft}")
+    if donor_checkpoint.folder.resolve() == ft_checkpoint.folder.resolve():
+        raise GraftError(f"DONOR and DONOR_FT are the same folder ({donor}); the delta would be zero")
+    check_same_tensors(donor_checkpoint, [ft_checkpoint])
+    return donor_checkpoint, ft_checkpoint
+
+
+def _manifest(donor: Checkpoint, donor_ft: Checkpoint, weight: float, dtype: str) -> dict:
+    """The delta folder's manifest: format, formula, weight, dtype and both sources' identities."""
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "graftmerge_version": __version__,
+        "formula": "weight * (donor_ft - donor)",
+        "weight": weight,
+        "dtype": dtype,
+        "donor": source_record(donor),
+        "donor_ft": source_record(donor_ft),
+        "non_floating_zeroed": sorted(n for n, i in donor.tensors.items() if not i.is_floating),
+    }
+
+
+def _write_shards(donor: Checkpoint, donor_ft: Checkpoint, shards: list[list[str]], staging: Path,
+                  weight: float, target: torch.dtype, progress: bool) -> tuple[dict[str, str], int]:
+    """Write each shard's deltas (one shard in memory at a time); (tensor → shard file, total bytes)."""
+    weight_map: dict[str, str] = {}
+    total = 0
+    bar = tqdm(total=len(donor.tensors), desc="delta extract", unit="tensor", disable=not progress)
+    for number, names in enumerate(shards, start=1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            tensors[name] = _delta_tensor(donor, donor_ft, name, weight).to(target).contiguous()
+            total += tensors[name].numel() * tensors[name].element_size()
+            weight_map[name] = file
+            bar.update()
+        save_file(tensors, str(staging / file), metadata={"format": "pt", "graftmerge": "delta"})
+        del tensors
+    bar.close()
+    return weight_map, total
+
+
+def _make_shareable(staging: Path) -> None:
+    """Give the staged files and folder the umask's usual permissions: a delta is for sharing."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in staging.iterdir():  # safetensors writes shards owner-only; a delta is for sharing
+        os.chmod(file, 0o666 & ~umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp made it private
 
 
 def _delta_tensor(donor: Checkpoint, donor_ft: Checkpoint, name: str, weight: float) -> torch.Tensor:

@@ -14,6 +14,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
@@ -39,10 +41,12 @@ class Row:
 
     @property
     def tensor_top_share(self) -> float | None:
+        """Share of F·Δ² inside the tensor's own top coordinates by F (None without a Fisher)."""
         return _share(self.in_tensor_top, self.weighted)
 
     @property
     def global_top_share(self) -> float | None:
+        """Share of F·Δ² inside the model-wide top coordinates by F (None without a Fisher)."""
         return _share(self.in_global_top, self.weighted)
 
 
@@ -73,7 +77,10 @@ class DeltaStats:
         return _aggregate("(whole delta)", self.tensors)
 
     def to_json(self) -> dict:
+        """The report as JSON-ready values: per tensor, per block and whole-delta rows, shares included."""
+
         def row(r: Row) -> dict:
+            """One row's fields and its two shares."""
             return {**asdict(r), "tensor_top_share": r.tensor_top_share, "global_top_share": r.global_top_share}
 
         return {
@@ -177,6 +184,7 @@ def format_table(stats: DeltaStats, tensors: bool = True) -> str:
     lines = []
 
     def table(title: str, rows: list[Row]) -> None:
+        """Append one titled, column-aligned table of ``rows`` to ``lines``."""
         body = [
             [r.name, str(r.numel), _number(r.l2), _number(r.weighted), _percent(r.tensor_top_share),
              _percent(r.global_top_share)]
@@ -205,11 +213,7 @@ def format_table(stats: DeltaStats, tensors: bool = True) -> str:
 
 def plot_stats(stats: DeltaStats, file: str | os.PathLike) -> Path:
     """A PNG: L2 norm per block, and (with a Fisher) the share of F·Δ² in the top coordinates per block."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    matplotlib.use("Agg")  # no display needed: the figure only goes to a file
     file = Path(file)
     blocks = stats.blocks()
     labels = [".".join(b.name.split(".")[-2:]) for b in blocks]  # layers.3, model.norm, lm_head

@@ -13,6 +13,7 @@ so K = the largest side reproduces the original cache's merges bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from graftmerge.formats.fisher_cache import (
     open_fisher_cache,
     side_rank,
 )
+from graftmerge.math.mask_stats import block_share, pair_overlap
+from graftmerge.pipeline.graft_plan import GraftInputs
+from graftmerge.pipeline.plan import score_pass, tensor_masks
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class SideSummary:
 
 @dataclass
 class CompressResult:
+    """What compress_cache wrote: the folder, K, each side's summary and each KFAC weight's two side keys."""
+
     path: Path
     rank: int
     sides: dict[str, SideSummary] = field(default_factory=dict)
@@ -98,6 +104,7 @@ def compress_cache(source: str | Path, out: str | Path, rank: int, progress: boo
     truncated: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
     def side(name: str, which: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One factor side truncated to ``rank`` (once per side key: weights may share a side)."""
         key = cache.entries[name]["kfac"][which]
         if key not in truncated:
             vectors, values = cache.side_spectrum(key, name)
@@ -154,12 +161,6 @@ def delta_report(result: CompressResult, source: str | Path, plan, device: str =
     basis (pairs ``u_i v_jᵀ`` of KFAC weights, coordinates elsewhere; a compact pair
     is the full pair of the same two eigenvectors), counted per tensor.
     """
-    import dataclasses
-
-    from graftmerge.math.mask_stats import block_share, pair_overlap
-    from graftmerge.pipeline.graft_plan import GraftInputs
-    from graftmerge.pipeline.plan import score_pass, tensor_masks
-
     rho = plan.rho
     opened = {
         which: GraftInputs.open(dataclasses.replace(plan, fisher=str(path), rho=rho if rho > 0 else 0.5))

@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import click
 import torch
 
 from graftmerge.errors import GraftError, cli_error
@@ -180,8 +181,6 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
 
 def raise_for_cli(error: GraftError, verbose: bool):
     """Inside a click command, a one-line ``Error:`` and exit 1; with ``-v``, the traceback."""
-    import click
-
     if not verbose and click.get_current_context(silent=True) is not None:
         raise cli_error(error) from None
     raise error

@@ -16,6 +16,8 @@ from functools import lru_cache
 
 import torch
 import yaml
+from huggingface_hub import snapshot_download
+from mergekit.common import dtype_from_name
 from mergekit.config import MergeConfiguration
 from pydantic import ValidationError
 
@@ -24,6 +26,8 @@ from graftmerge.formats.checkpoint import Checkpoint, check_same_tensors
 from graftmerge.formats.delta_folder import MANIFEST_NAME as DELTA_MANIFEST
 from graftmerge.formats.delta_folder import DeltaFolder, open_delta
 from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache, side_rank
+from graftmerge.hub.artifacts import resolve_artifact
+from graftmerge.hub.kinds import FISHER
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.projection import TensorFisher
 
@@ -38,6 +42,8 @@ BLOCK_ELEMENTS = 1 << 24  # the pre-pass reads tensors larger than this in row b
 
 @dataclass(frozen=True)
 class FineTune:
+    """One weighted model term of a graft: a donor_ft folder, or a delta folder (``role: delta``)."""
+
     path: str
     weight: float = 1.0
 
@@ -63,14 +69,17 @@ class GraftPlan:
 
     @property
     def lambdas(self) -> list[float]:
+        """λ·weight of each fine-tune, in config order."""
         return [self.lam * ft.weight for ft in self.fine_tunes]
 
     @property
     def delta_lambdas(self) -> list[float]:
+        """λ·weight of each precomputed delta, in config order."""
         return [self.lam * d.weight for d in self.deltas]
 
     @property
     def masked(self) -> bool:
+        """Whether a Fisher mask is applied (ρ > 0)."""
         return self.rho > 0
 
     def check(self) -> None:
@@ -98,8 +107,6 @@ def resolve_model_folder(path: str, revision: str | None = None) -> str:
     looks_local = path.startswith((".", "/", "~")) or path.count("/") != 1
     if not looks_local:
         try:
-            from huggingface_hub import snapshot_download
-
             return snapshot_download(path, revision=revision, local_files_only=True)
         except Exception:  # noqa: BLE001 - any failure means "not in the local cache"
             pass
@@ -112,9 +119,6 @@ def resolve_model_folder(path: str, revision: str | None = None) -> str:
 
 def resolve_fisher_folder(fisher: str) -> str:
     """The folder of ``fisher:``: a local path as written, or ``org/name@rev`` from the Hub (HF cache offline)."""
-    from graftmerge.hub.artifacts import resolve_artifact
-    from graftmerge.hub.kinds import FISHER
-
     return resolve_artifact(FISHER, fisher)
 
 
@@ -217,8 +221,6 @@ class GraftInputs:
     def working_dtype(self, name: str) -> torch.dtype:
         """The dtype mergekit hands the kernel: config dtype, else the inputs' promoted dtype."""
         if self.plan.dtype:
-            from mergekit.common import dtype_from_name
-
             return dtype_from_name(self.plan.dtype)
         dtype = self.post.tensors[name].torch_dtype
         for checkpoint in (self.donor, *self.fine_tunes, *self.deltas):

@@ -42,6 +42,7 @@ class ReadOnce:
         return getattr(self._source, attribute)
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The source's tensor (rows), read once for consecutive requests of the same one."""
         key = (name, rows)
         if self._last is None or self._last[0] != key:
             self._last = None  # free the previous tensor before reading the next
@@ -99,6 +100,7 @@ def score_pass(
     results = {key: PassResult(thresholds={}) for key in views}
 
     def scored_blocks(name: str, keep: bool):
+        """(view key, scores) for each row block of ``name`` and each view; keeps Δ̃ when asked."""
         for rows in first.row_blocks(name):
             fisher = first.tensor_fisher(name, rows).to(device)
             for key, view in views.items():
@@ -145,6 +147,8 @@ class RhoPlan:
 
 @dataclass
 class PlanReport:
+    """What ``graftmerge plan`` reports: the plan, its directions D and Σ s, per tensor and per ρ."""
+
     plan: GraftPlan
     directions: int
     mass: float

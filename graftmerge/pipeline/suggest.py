@@ -26,6 +26,8 @@ from graftmerge.math.suggestion import (
     remaining_mass,
     removed_share_knee,
 )
+from graftmerge.pipeline.graft_plan import GraftInputs, read_graft_config
+from graftmerge.pipeline.plan import plan_report
 
 DEFAULT_KL_BUDGET = 0.05  # nats per completion token on the old task
 DEFAULT_MAX_LAMBDA = 1.0
@@ -69,6 +71,7 @@ class Suggestion:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
+        """Every field, the snippet too, as JSON-ready values (an infinite lam_unclamped becomes None)."""
         data = dataclasses.asdict(self)
         if math.isinf(self.lam_unclamped):
             data["lam_unclamped"] = None  # JSON has no infinity
@@ -90,6 +93,7 @@ def mean_completion_tokens(counts: dict | None) -> tuple[float, str, str | None]
 
 
 def check_settings(kl_budget: float, max_lambda: float) -> None:
+    """GraftError naming the option unless --kl-budget and --max-lambda are finite and positive."""
     for option, value in (("--kl-budget", kl_budget), ("--max-lambda", max_lambda)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise GraftError(f"{option} must be a finite number > 0, got {value!r}")
@@ -97,8 +101,6 @@ def check_settings(kl_budget: float, max_lambda: float) -> None:
 
 def open_suggestion_inputs(plan, fisher: str | None = None):
     """GraftInputs of ``plan`` at lambda = 1 with its (or ``fisher``'s) cache opened and checked."""
-    from graftmerge.pipeline.graft_plan import GraftInputs
-
     fisher = fisher or plan.fisher
     if not fisher:
         raise GraftError("suggest needs a Fisher cache: the config has no `fisher:` parameter "
@@ -123,15 +125,8 @@ def suggest_graft(
     overrides its ``fisher:``; ``rho_grid`` defaults to 1, 2, 5 per decade from 1e-5
     to 0.5. Raises GraftError for bad input.
     """
-    from graftmerge.pipeline.graft_plan import read_graft_config
-    from graftmerge.pipeline.plan import plan_report
-
     check_settings(kl_budget, max_lambda)
-    grid = sorted(rho_grid) if rho_grid is not None else default_rho_grid()
-    try:
-        check_rho_grid(grid)
-    except ValueError as error:
-        raise GraftError(f"--rho-grid: {error}") from None
+    grid = _checked_rho_grid(rho_grid)
     _, _, plan = read_graft_config(config_path)
     inputs = open_suggestion_inputs(plan, fisher)
     report = plan_report(inputs, grid, device=device, progress=progress)
@@ -143,18 +138,7 @@ def suggest_graft(
     quadratic = remaining_mass(report.mass, removed)
     mean_tokens, tokens_source, tokens_note = mean_completion_tokens(inputs.fisher.manifest.get("counts"))
     choice = kl_budget_lambda(quadratic, mean_tokens, kl_budget, max_lambda)
-
-    notes = [tokens_note] if tokens_note else []
-    kfac = [name for name in inputs.ranked_names() if inputs.fisher_kind(name) == "kfac"]
-    if any("rank" in inputs.fisher.kfac_side(name, side) for name in kfac for side in ("rows", "columns")):
-        notes.append("the cache keeps only leading KFAC eigenvectors for some weights (fisher compress): "
-                     "Δ'ᵀFΔ' counts the kept eigen-directions only, so the predicted KL is a lower bound")
-    unranked = sum(1 for name, info in inputs.post.tensors.items() if info.is_floating and not inputs.fisher_kind(name))
-    if unranked:
-        notes.append(f"{unranked} floating tensor(s) have no Fisher entry: their Δ is grafted unmasked and "
-                     "not counted in Δ'ᵀFΔ'")
-    if choice.bound == "cap":
-        notes.append(f"λ is capped at --max-lambda {max_lambda:g}; the predicted KL is below the budget")
+    notes = _suggestion_notes(inputs, tokens_note, choice.bound, max_lambda)
 
     return Suggestion(
         config=str(config_path),
@@ -183,6 +167,32 @@ def suggest_graft(
         config_rho=plan.rho,
         notes=notes,
     )
+
+
+def _checked_rho_grid(rho_grid: Sequence[float] | None) -> list[float]:
+    """The ρ grid, sorted (default: :func:`default_rho_grid`); GraftError naming --rho-grid if invalid."""
+    grid = sorted(rho_grid) if rho_grid is not None else default_rho_grid()
+    try:
+        check_rho_grid(grid)
+    except ValueError as error:
+        raise GraftError(f"--rho-grid: {error}") from None
+    return grid
+
+
+def _suggestion_notes(inputs: GraftInputs, tokens_note: str | None, lam_bound: str, max_lambda: float) -> list[str]:
+    """Caveats on the prediction: no token counts, truncated KFAC bases, unranked tensors, a capped λ."""
+    notes = [tokens_note] if tokens_note else []
+    kfac = [name for name in inputs.ranked_names() if inputs.fisher_kind(name) == "kfac"]
+    if any("rank" in inputs.fisher.kfac_side(name, side) for name in kfac for side in ("rows", "columns")):
+        notes.append("the cache keeps only leading KFAC eigenvectors for some weights (fisher compress): "
+                     "Δ'ᵀFΔ' counts the kept eigen-directions only, so the predicted KL is a lower bound")
+    unranked = sum(1 for name, info in inputs.post.tensors.items() if info.is_floating and not inputs.fisher_kind(name))
+    if unranked:
+        notes.append(f"{unranked} floating tensor(s) have no Fisher entry: their Δ is grafted unmasked and "
+                     "not counted in Δ'ᵀFΔ'")
+    if lam_bound == "cap":
+        notes.append(f"λ is capped at --max-lambda {max_lambda:g}; the predicted KL is below the budget")
+    return notes
 
 
 def format_suggestion(s: Suggestion) -> str:

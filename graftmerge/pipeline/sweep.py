@@ -35,6 +35,15 @@ from pathlib import Path
 
 import torch
 import yaml
+from mergekit.architecture import get_architecture_info
+from mergekit.card import generate_card
+from mergekit.common import dtype_from_name
+from mergekit.config import MergeConfiguration
+from mergekit.io.tasks import GatherTensors, LoaderCache
+from mergekit.io.tensor_writer import TensorWriter
+from mergekit.merge import _copy_tagalong_files, _copy_tokenizer, _model_out_config
+from mergekit.merge_methods.buffers import copy_non_floating_buffer
+from mergekit.plan import MergePlanner
 from tqdm import tqdm
 
 from graftmerge.errors import GraftError
@@ -48,6 +57,8 @@ LOG = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GridPoint:
+    """One (λ, ρ) of a sweep, and the folder its model is written to."""
+
     lam: float
     rho: float
 
@@ -58,6 +69,7 @@ class GridPoint:
 
 
 def grid(lambdas: list[float], rhos: list[float]) -> list[GridPoint]:
+    """Every (λ, ρ) pair, λ-major in the given orders, as floats."""
     return [GridPoint(float(lam), float(rho)) for lam in lambdas for rho in rhos]
 
 
@@ -81,9 +93,11 @@ class _LastFisher:
         return self._memo[key]
 
     def diagonal(self, name: str, rows=None):
+        """The cache's diagonal of ``name`` (rows), read once while ``name`` is the current tensor."""
         return self._remember(("diagonal", name, rows), lambda: self._cache.diagonal(name, rows))
 
     def kfac(self, name: str):
+        """The cache's KFAC factors of ``name``, read once while ``name`` is the current tensor."""
         return self._remember(("kfac", name, None), lambda: self._cache.kfac(name))
 
 
@@ -95,6 +109,7 @@ class _LastRotation:
         self._last: tuple[tuple, torch.Tensor | None] | None = None
 
     def load(self, name: str, device) -> torch.Tensor | None:
+        """The store's Δ̃ of ``name`` on ``device``; the same object again for a repeated request."""
         key = (name, str(device))
         if self._last is None or self._last[0] != key:
             self._last = None
@@ -124,9 +139,6 @@ def check_sweepable(config, points: list[GridPoint], plan: GraftPlan) -> dict[Gr
 
 def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out_dir: str, options) -> list[Path]:
     """Write one model folder per grid point under ``out_dir`` (atomically: all or nothing)."""
-    from mergekit.architecture import get_architecture_info
-    from mergekit.io.tasks import LoaderCache
-
     plans = check_sweepable(config, points, plan)
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -176,10 +188,6 @@ def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch:
 
 def _write_grid(config, source: str, views: dict[GridPoint, GraftInputs], staging: Path, arch_info, options,
                 device: str) -> None:
-    from mergekit.common import dtype_from_name
-    from mergekit.io.tensor_writer import TensorWriter
-    from mergekit.merge_methods.buffers import copy_non_floating_buffer
-
     out_config, returns = _planned_tensors(config, arch_info, options)
     roles = {entry.model: (entry.parameters or {}).get("role") for entry in config.models}
     donor_ref = next((ref for ref, role in roles.items() if role == "donor"), None)  # none with only deltas
@@ -226,6 +234,7 @@ def _write_grid(config, source: str, views: dict[GridPoint, GraftInputs], stagin
 
 
 def _promoted(tensors: list[torch.Tensor]) -> torch.dtype:
+    """The dtype all ``tensors`` promote to (mergekit's align_dtype)."""
     dtype = tensors[0].dtype
     for tensor in tensors[1:]:
         dtype = torch.promote_types(dtype, tensor.dtype)
@@ -234,9 +243,6 @@ def _promoted(tensors: list[torch.Tensor]) -> torch.dtype:
 
 def _planned_tensors(config, arch_info, options):
     """(output config, mergekit's per-weight tasks): the same weights, names and casts as mergekit-yaml."""
-    from mergekit.merge import _model_out_config
-    from mergekit.plan import MergePlanner
-
     out_config = _model_out_config(config, arch_info, trust_remote_code=options.trust_remote_code)
     planner = MergePlanner(copy.deepcopy(config), arch_info, options=options, out_model_config=out_config)
     # plan_to_disk's own steps minus the writer tasks (plan_in_memory cannot build its
@@ -249,6 +255,8 @@ def _planned_tensors(config, arch_info, options):
 
 @dataclass(frozen=True)
 class PlannedTensor:
+    """One output weight as mergekit plans it: name, its merge task and SaveTensor's dtype (None: keep)."""
+
     name: str
     tensor_task: object  # mergekit ExecuteMergeMethodTask
     dtype: str | None
@@ -256,8 +264,6 @@ class PlannedTensor:
 
 def _load_group(task, device: str) -> dict | None:
     """The inputs of one output weight, loaded by mergekit's own LoadTensor tasks, in model order."""
-    from mergekit.io.tasks import GatherTensors
-
     gather = task.gather_tensors
     if not isinstance(gather, GatherTensors):
         raise GraftError(f"{task.output_weight.name}: sweep supports plain model inputs only (no vocabulary changes)")
@@ -273,10 +279,6 @@ def _load_group(task, device: str) -> dict | None:
 
 def _write_model_files(config, source: str, point: GridPoint, folder: str, out_config, arch_info, options) -> None:
     """config.json, model card, tokenizer and tag-along files, as mergekit's run_merge writes them."""
-    from mergekit.card import generate_card
-    from mergekit.config import MergeConfiguration
-    from mergekit.merge import _copy_tagalong_files, _copy_tokenizer
-
     out_config.save_pretrained(folder)
     point_source = grid_config_source(source, point)
     point_config = MergeConfiguration.model_validate(yaml.safe_load(point_source))

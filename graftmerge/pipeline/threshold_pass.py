@@ -99,6 +99,7 @@ def compute_global_threshold(
     search = ThresholdSearch(k=masked_count(inputs.plan.rho, total), total=total)
 
     def score_blocks(name: str, keep: bool = False):
+        """Scores of each row block of ``name``; with ``keep``, Δ̃ of whole KFAC weights goes to ``rotations``."""
         for rows in inputs.row_blocks(name):
             delta = inputs.read_delta(name, device, rows)
             scored = score_delta(delta, inputs.tensor_fisher(name, rows).to(device))
