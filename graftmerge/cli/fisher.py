@@ -101,6 +101,12 @@ def fisher() -> None:
     "--revision", default=None, help="Revision (commit) of MODEL to record in the manifest."
 )
 @click.option("--attn-implementation", default="sdpa", show_default=True)
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Run MODEL's own code (its config.json's auto_map) if it needs it; only for a model you trust. "
+    "Without it such a model is refused, never asked about.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
 @report_errors

@@ -80,6 +80,8 @@ def pull_command(kind: ArtifactKind, example: str) -> click.Command:
             f"pulled {target} (commit {result.commit[:12]}): {len(result.files)} data file(s), "
             f"{len(result.fetched)} downloaded, {len(result.files) - len(result.fetched)} already cached"
         )
+        for name, fields in result.stripped.items():
+            click.echo(f"{name}: removed {', '.join(fields)} (a pulled config never names code to run)")
         click.echo(str(result.folder))
         use = f"./{output}" if output is not None and not Path(output).is_absolute() else (output or target)
         click.echo(f"use it: `{kind.name}: {use}`")
@@ -94,7 +96,9 @@ def pull_command(kind: ArtifactKind, example: str) -> click.Command:
         f"Download the {kind.label} REPO_ID[@REV] (also hf://org/name@rev) into the Hugging Face cache.\n\n"
         f"Afterwards `{kind.name}: org/name@rev` in a merge config works offline (HF_HUB_OFFLINE=1). "
         "An interrupted pull resumes (files already cached are skipped); the manifest is "
-        "written last, so a half-downloaded copy is never used.\n\n"
+        "written last, so a half-downloaded copy is never used. Only .safetensors and .json files "
+        "are pulled, links planted in the cache are refused, and a config's auto_map and "
+        "custom_pipelines are removed, so nothing pulled can make transformers run code.\n\n"
         f"\b\n{example}"
     )
     return pull

@@ -74,6 +74,7 @@ class EstimateSettings:
     revision: str | None = None
     attn_implementation: str = "sdpa"
     progress: bool = True
+    trust_remote_code: bool = False  # run the model folder's own code (auto_map); never asked on the terminal
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -165,15 +166,16 @@ def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch)
     """One rank's run: data, its batches summed, sums all-reduced, the cache written by rank 0."""
     settings.output = Path(settings.output)
     _check(settings)
-    config = causal_lm_config(settings.model)
+    config = causal_lm_config(settings.model, trust_remote_code=settings.trust_remote_code)
     load_model = lambda: load_causal_lm(  # noqa: E731
         settings.model,
         dtype=settings.dtype,
         device=ranks.device,
         attn_implementation=settings.attn_implementation,
         progress=settings.progress,
+        trust_remote_code=settings.trust_remote_code,
     )
-    tokenizer = tokenizer_loader(settings.model)
+    tokenizer = tokenizer_loader(settings.model, trust_remote_code=settings.trust_remote_code)
     folder = checkpointing.checkpoint_folder(settings.output)
     if settings.restart and ranks.is_main:
         checkpointing.clear(folder)

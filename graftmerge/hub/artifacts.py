@@ -15,6 +15,13 @@ is read first (over the network, into memory) to decide which files to fetch; it
 written into the cache only after them, so a snapshot with a manifest is complete.
 ``-o DIR`` then assembles DIR from the cache (hard links when possible) in a hidden
 sibling folder, manifest last, renamed into place.
+
+What is pulled is a stranger's (:mod:`graftmerge.hub.untrusted`): every file name a
+manifest or index gives is checked before it becomes a path, every file read from the
+cache must be the snapshot's own (a link into the same repo's ``blobs/``, never one
+planted to lead elsewhere), and ``*config.json`` files lose ``auto_map`` and
+``custom_pipelines`` (in the snapshot and in ``-o``), so no pulled folder can make
+transformers import code, even under ``--trust-remote-code``. Push strips them too.
 """
 
 from __future__ import annotations
@@ -42,7 +49,6 @@ from huggingface_hub import (
     get_session,
     hf_hub_download,
     hf_hub_url,
-    try_to_load_from_cache,
 )
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -58,7 +64,21 @@ from tqdm.auto import tqdm
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.file_hash import file_sha256
-from graftmerge.hub.references import HubReference, hub_reference_or_none, parse_hub_reference
+from graftmerge.hub.references import (
+    HubReference,
+    check_revision,
+    hub_reference_or_none,
+    parse_hub_reference,
+)
+from graftmerge.hub.untrusted import (
+    cached_file,
+    check_cache_folder,
+    check_file_name,
+    is_config_file,
+    read_json_bytes,
+    replace_file,
+    without_remote_code,
+)
 
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 KEPT_REMOTE_FILES = (".gitattributes", "README.md")
@@ -92,15 +112,15 @@ class ArtifactKind:
     select_layers: Callable[[Mapping[str, Any], Sequence[str]], dict[str, Any]] | None = None
 
     def data_files(self, manifest: Mapping[str, Any], read: Callable[[str], bytes], where: str) -> list[str]:
-        """The manifest's data files, each checked to stay inside the folder (manifests come from the Hub)."""
+        """The manifest's data files, each checked to be a safe name inside the folder (manifests come from the Hub)."""
         try:
             files = self.list_files(manifest, read)
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise GraftError(f"{where}: {self.manifest_name} does not name its files ({error})") from error
-        unsafe = [f for f in files if not _safe_relative(f)]
-        if unsafe:
-            raise GraftError(f"{where}: {self.manifest_name} names files outside the folder ({unsafe[0]!r})")
-        return files
+        except GraftError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as error:
+            shown = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+            raise GraftError(f"{where}: {self.manifest_name} does not name its files ({shown})") from error
+        return [check_file_name(name, where, self.manifest_name) for name in files]
 
     def check_manifest(self, manifest: Any, where: str) -> dict[str, Any]:
         """``manifest`` itself if it is one of this kind (its ``format`` field); GraftError otherwise."""
@@ -130,17 +150,11 @@ class ArtifactKind:
         return manifest, files
 
 
-def _safe_relative(name: str) -> bool:
-    """A file name from a downloaded manifest must stay inside the artifact folder."""
-    parts = name.split("/")
-    return bool(name) and not name.startswith("/") and ".." not in parts and "\\" not in name
-
-
 def _parse_json(raw: bytes, where: str) -> Any:
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise GraftError(f"{where}: corrupt manifest ({error})") from error
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise GraftError(f"{where}: corrupt manifest ({str(error).splitlines()[0]})") from error
 
 
 # -- hashing: what the Hub reports per file -----------------------------------------
@@ -236,18 +250,19 @@ def push_artifact(
     target = parse_hub_reference(repo_id)
     if target.revision is not None:
         raise GraftError(f"push to {target.repo_id} with --revision {target.revision}, not {repo_id!r}")
+    branch = check_revision(revision, f"--revision {revision}") if revision is not None else "main"
+    reference = HubReference(target.repo_id, branch)
     manifest, files = kind.open_local(folder)
-    sizes = {name: (folder / name).stat().st_size for name in files}
+    contents = {name: _pushed_content(folder, name) for name in files}
+    sizes = {name: len(c) if isinstance(c, bytes) else c.stat().st_size for name, c in contents.items()}
     manifest_bytes = (folder / kind.manifest_name).read_bytes()
-    branch = revision or "main"
     card = kind.render_card(manifest, target.repo_id, branch, sizes).encode()
     api = api if api is not None else HfApi(token=token)
     result = PushResult(target.repo_id, branch)
-    reference = HubReference(target.repo_id, branch)
 
     with hub_errors(kind, reference, "push to"):
         remote = _remote_files(api, target.repo_id, branch, private)
-        to_upload = [name for name in files if not same_as_remote(remote.get(name), folder / name)]
+        to_upload = [name for name in files if not same_as_remote(remote.get(name), contents[name])]
         result.unchanged = [name for name in files if name not in to_upload]
         stale = sorted(p for p in remote if p.endswith(".safetensors") and p not in sizes)
         manifest_current = same_as_remote(remote.get(kind.manifest_name), manifest_bytes)
@@ -255,7 +270,7 @@ def push_artifact(
             _commit(api, result, [CommitOperationDelete(kind.manifest_name)],
                     f"graftmerge: {kind.label} is being replaced")
             result.deleted.append(kind.manifest_name)
-        _upload_data_files(kind, api, result, folder, to_upload, sizes, progress)
+        _upload_data_files(kind, api, result, contents, to_upload, sizes, progress)
         final: list = []
         if not manifest_current:
             final.append(CommitOperationAdd(kind.manifest_name, manifest_bytes))
@@ -263,6 +278,14 @@ def push_artifact(
             final.append(CommitOperationAdd("README.md", card))
         _commit_last(kind, api, result, final, stale)
     return result
+
+
+def _pushed_content(folder: Path, name: str) -> Path | bytes:
+    """What is uploaded for ``name``: the file itself, or a config's bytes without its remote-code fields."""
+    if not is_config_file(name):
+        return folder / name
+    cleaned, removed = without_remote_code((folder / name).read_bytes(), str(folder / name))
+    return cleaned if removed else folder / name
 
 
 def _commit(api: Any, result: PushResult, operations: list, message: str) -> None:
@@ -283,13 +306,14 @@ def _remote_files(api: Any, repo_id: str, branch: str, private: bool) -> dict[st
     }
 
 
-def _upload_data_files(kind: ArtifactKind, api: Any, result: PushResult, folder: Path,
+def _upload_data_files(kind: ArtifactKind, api: Any, result: PushResult, contents: Mapping[str, Path | bytes],
                        to_upload: list[str], sizes: Mapping[str, int], progress: bool) -> None:
     """One commit per data file, so an interrupted push keeps every file it finished."""
     bar = tqdm(total=sum(sizes[n] for n in to_upload), unit="B", unit_scale=True,
                desc=f"push {kind.name}", disable=not progress)
     for index, name in enumerate(to_upload, 1):
-        _commit(api, result, [CommitOperationAdd(name, str(folder / name))],
+        content = contents[name]
+        _commit(api, result, [CommitOperationAdd(name, content if isinstance(content, bytes) else str(content))],
                 f"graftmerge: {kind.label} file {name} ({index}/{len(to_upload)})")
         result.uploaded.append(name)
         bar.update(sizes[name])
@@ -318,6 +342,7 @@ class PullResult:
     commit: str
     files: list[str]  # data files of the pulled artifact
     fetched: list[str]  # of those, downloaded by this call (the rest were cached)
+    stripped: dict[str, list[str]] = field(default_factory=dict)  # config file -> remote-code fields removed
 
 
 def _storage_folder(cache_dir: Path, repo_id: str) -> Path:
@@ -330,22 +355,49 @@ def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
     return Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE).expanduser()
 
 
+def _ref_folders(revision: str) -> list[str]:
+    """``refs`` and each folder between it and ``refs/<revision>`` (``refs/pr`` for ``refs/pr/1``)."""
+    parts = revision.split("/")[:-1]
+    return [str(Path("refs", *parts[:depth])) for depth in range(1, len(parts) + 1)]
+
+
+def _read_ref(storage: Path, revision: str, where: str) -> str | None:
+    """The commit ``refs/<revision>`` names, None if there is no such ref; GraftError if it is not a plain sha file."""
+    ref = storage / "refs" / check_revision(revision, where)
+    if not os.path.lexists(ref):
+        return None
+    check_cache_folder(storage, where, *_ref_folders(revision))
+    if ref.is_symlink() or not ref.is_file() or ref.stat().st_size > 64:
+        raise GraftError(f"{where}: {ref} in the Hugging Face cache is not a ref file (delete it and pull again)")
+    commit = ref.read_text(encoding="ascii", errors="replace").strip()
+    if not COMMIT_SHA.fullmatch(commit):
+        raise GraftError(f"{where}: {ref} in the Hugging Face cache does not hold a commit sha (delete it and pull again)")
+    return commit
+
+
 def _write_ref(storage: Path, revision: str, commit: str) -> None:
     """refs/<revision> → commit, as the cache layout has it: how `org/name@branch` resolves offline."""
-    ref = storage / "refs" / revision
+    where = f"ref {revision}"
+    ref = storage / "refs" / check_revision(revision, where)
+    check_cache_folder(storage, where, *_ref_folders(revision))
     ref.parent.mkdir(parents=True, exist_ok=True)
-    if ref.is_file() and ref.read_text() == commit:
+    check_cache_folder(storage, where, *_ref_folders(revision))  # nothing was linked in meanwhile
+    if not ref.is_symlink() and ref.is_file() and ref.stat().st_size <= 64 and ref.read_text(errors="replace") == commit:
         return
-    temporary = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
-    temporary.write_text(commit)
-    os.replace(temporary, ref)
+    replace_file(ref, commit.encode())
 
 
 def _cached_commit(kind: ArtifactKind, reference: HubReference, cache_dir: Path) -> str | None:
     """The commit of a complete cached copy (its manifest is there), or None."""
-    found = try_to_load_from_cache(reference.repo_id, kind.manifest_name, cache_dir=str(cache_dir),
-                                   revision=reference.revision_or_main)
-    return Path(found).parent.name if isinstance(found, str) else None
+    storage = _storage_folder(cache_dir, reference.repo_id)
+    check_cache_folder(storage, str(reference))
+    revision = reference.revision_or_main
+    commit = _read_ref(storage, revision, str(reference))
+    if commit is None and COMMIT_SHA.fullmatch(revision):
+        commit = revision
+    if commit is None or not os.path.lexists(storage / "snapshots" / commit / kind.manifest_name):
+        return None
+    return commit
 
 
 def _remote_manifest(
@@ -360,11 +412,13 @@ def _remote_manifest(
     except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled):
         return None
     commit = metadata.commit_hash
-    if commit is None or not COMMIT_SHA.match(commit):
+    if commit is None or not COMMIT_SHA.fullmatch(commit):
         raise GraftError(f"{reference}: the Hub did not say which commit it serves; check HF_ENDPOINT")
-    cached = _storage_folder(cache_dir, reference.repo_id) / "snapshots" / commit / kind.manifest_name
-    if cached.is_file():
-        return commit, cached.read_bytes()
+    storage = _storage_folder(cache_dir, reference.repo_id)
+    check_cache_folder(storage, str(reference), f"snapshots/{commit}")
+    if os.path.lexists(storage / "snapshots" / commit / kind.manifest_name):
+        where = f"{reference.repo_id}@{commit[:12]}"
+        return commit, read_json_bytes(cached_file(storage, commit, kind.manifest_name, where), where)
     response = get_session().get(hf_hub_url(reference.repo_id, kind.manifest_name, revision=commit),
                                  headers=build_hf_headers(token=token))
     hf_raise_for_status(response)
@@ -386,7 +440,8 @@ def pull_artifact(
 
     ``layers``: globs on parameter names; only files holding those weights' tensors are
     fetched and ``output`` (required then) gets a manifest listing just them. Offline,
-    or when the Hub does not answer, a complete cached copy is used as it is.
+    or when the Hub does not answer, a complete cached copy is used as it is. Every file
+    is checked to be the snapshot's own before it is read or linked (see the module doc).
     """
     if isinstance(reference, str):
         reference = parse_hub_reference(reference)
@@ -397,19 +452,32 @@ def pull_artifact(
         where = f"{reference.repo_id}@{commit[:12]}"
         manifest = kind.check_manifest(_parse_json(raw, f"{where}/{kind.manifest_name}"), where)
         if layers:
-            manifest = kind.select_layers(manifest, layers)
+            manifest = _select_layers(kind, manifest, layers, where)
             manifest["pulled"] = {"from": f"{reference.repo_id}@{commit}", "layers": list(layers)}
         fetch = _SnapshotFiles(kind, reference, cache, commit, online, token)
-        files = kind.data_files(manifest, lambda name: fetch(name).read_bytes(), where)
+        files = kind.data_files(manifest, lambda name: read_json_bytes(fetch(name), f"{where}/{name}"), where)
         for name in tqdm(files, desc=f"pull {kind.name}", unit="file", disable=not progress or not files):
             fetch(name)
+        stripped = fetch.strip_remote_code(files)
         if online:
             fetch.complete()
-    folder = snapshot = fetch.snapshot
+        sources = {name: fetch.checked(name) for name in [*files, kind.manifest_name]}
+    folder = fetch.snapshot
     if output is not None:
         data = raw if not layers else json.dumps(manifest, indent=1, sort_keys=True).encode()
-        folder = assemble_folder(Path(output), snapshot, files, kind.manifest_name, data, overwrite=overwrite)
-    return PullResult(folder=folder, commit=commit, files=files, fetched=fetch.fetched)
+        folder = assemble_folder(Path(output), sources, files, kind.manifest_name, data, overwrite=overwrite)
+    return PullResult(folder=folder, commit=commit, files=files, fetched=fetch.fetched, stripped=stripped)
+
+
+def _select_layers(kind: ArtifactKind, manifest: dict[str, Any], layers: Sequence[str], where: str) -> dict[str, Any]:
+    """``kind.select_layers``, a malformed (downloaded) manifest reported in one line."""
+    try:
+        return kind.select_layers(manifest, layers)
+    except GraftError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+        shown = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+        raise GraftError(f"{where}: corrupt {kind.manifest_name}, cannot pick layers from it ({type(error).__name__}: {shown})") from error
 
 
 def _check_pull(kind: ArtifactKind, output: str | os.PathLike | None, layers: Sequence[str],
@@ -419,8 +487,10 @@ def _check_pull(kind: ArtifactKind, output: str | os.PathLike | None, layers: Se
         raise GraftError(f"--layers makes a partial {kind.label}, which needs its own folder: add -o {kind.name}/NAME")
     if layers and kind.select_layers is None:
         raise GraftError(f"a {kind.label} cannot be pulled by layers")
-    if output is not None and Path(output).exists() and not overwrite:
+    if output is not None and os.path.lexists(output) and not overwrite:
         raise GraftError(f"{output} already exists; pass --overwrite to replace it")
+    if output is not None and Path(output).is_symlink():
+        raise GraftError(f"{output} is a link; pull into a plain folder (remove the link, or give its target)")
 
 
 def _pull_manifest(
@@ -436,8 +506,9 @@ def _pull_manifest(
             f"{reference} is not in the local Hugging Face cache ({cache}) and the Hub cannot be reached "
             f"(HF_HUB_OFFLINE=1 or no network); run `graftmerge {kind.name} pull {reference}` where it is reachable"
         )
-    raw = (_storage_folder(cache, reference.repo_id) / "snapshots" / commit / kind.manifest_name).read_bytes()
-    return False, commit, raw
+    storage, where = _storage_folder(cache, reference.repo_id), f"{reference.repo_id}@{commit[:12]}"
+    check_cache_folder(storage, where, f"snapshots/{commit}")
+    return False, commit, read_json_bytes(cached_file(storage, commit, kind.manifest_name, where), where)
 
 
 @dataclass
@@ -462,11 +533,21 @@ class _SnapshotFiles:
         """The commit's snapshot folder (complete once it holds the manifest)."""
         return self.storage / "snapshots" / self.commit
 
+    @property
+    def where(self) -> str:
+        """How messages name this snapshot."""
+        return f"{self.reference.repo_id}@{self.commit[:12]}"
+
+    def checked(self, name: str) -> Path:
+        """The real file behind ``name``, refused if it is a link leading out of this repo's blobs."""
+        return cached_file(self.storage, self.commit, name, self.where)
+
     def __call__(self, name: str) -> Path:
-        """One file of the snapshot: from the cache, else from the Hub (never offline)."""
+        """One file of the snapshot (its checked real path): from the cache, else from the Hub (never offline)."""
         reference, kind = self.reference, self.kind
-        if isinstance(try_to_load_from_cache(reference.repo_id, name, cache_dir=str(self.cache), revision=self.commit), str):
-            return self.snapshot / name
+        check_cache_folder(self.storage, self.where, f"snapshots/{self.commit}")
+        if (self.snapshot / name).exists():
+            return self.checked(name)
         if not self.online:
             raise HubArtifactNotFound(
                 f"{reference} is only partly in the local Hugging Face cache ({name} is missing) and the Hub "
@@ -474,37 +555,55 @@ class _SnapshotFiles:
             )
         hf_hub_download(reference.repo_id, name, revision=self.commit, cache_dir=str(self.cache), token=self.token)
         self.fetched.append(name)
-        return self.snapshot / name
+        return self.checked(name)
+
+    def strip_remote_code(self, files: Sequence[str]) -> dict[str, list[str]]:
+        """Rewrite each config of the snapshot that names code to import without those fields; what was removed."""
+        stripped = {}
+        for name in files:
+            if not is_config_file(name):
+                continue
+            cleaned, removed = without_remote_code(read_json_bytes(self.checked(name), f"{self.where}/{name}"),
+                                                   f"{self.where}/{name}")
+            if removed:
+                replace_file(self.snapshot / name, cleaned)  # a plain file in place of the link to the blob
+                stripped[name] = removed
+        return stripped
 
     def complete(self) -> None:
         """Manifest last (from now on the snapshot reads as complete), then the ref for offline use."""
         reference = self.reference
-        if not (self.snapshot / self.kind.manifest_name).is_file():
+        if not (self.snapshot / self.kind.manifest_name).exists():
             hf_hub_download(reference.repo_id, self.kind.manifest_name, revision=self.commit,
                             cache_dir=str(self.cache), token=self.token)
+        self.checked(self.kind.manifest_name)
         if reference.revision_or_main != self.commit:
             _write_ref(self.storage, reference.revision_or_main, self.commit)
 
 
-def assemble_folder(output: Path, snapshot: Path, files: Sequence[str], manifest_name: str,
+def assemble_folder(output: Path, sources: Mapping[str, Path], files: Sequence[str], manifest_name: str,
                     manifest: bytes, *, overwrite: bool = False) -> Path:
-    """Build ``output`` from cached files in a hidden sibling, manifest last, then rename it in."""
+    """Build ``output`` from cached files in a hidden sibling, manifest last, then rename it in.
+
+    ``sources``: name → the real file to hard-link (or copy), already checked to be the
+    snapshot's own; nothing is followed here.
+    """
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
         for name in files:
-            source, target = (snapshot / name).resolve(), staging / name
+            source, target = sources[name], staging / name
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                os.link(source, target)  # no second copy of a large blob
+                os.link(source, target, follow_symlinks=False)  # no second copy of a large blob
             except OSError:
-                shutil.copyfile(source, target)
+                shutil.copyfile(source, target, follow_symlinks=False)
         (staging / (manifest_name + ".tmp")).write_bytes(manifest)
         os.replace(staging / (manifest_name + ".tmp"), staging / manifest_name)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(staging, 0o777 & ~umask)  # mkdtemp made it private
-        if output.exists():
+        if os.path.lexists(output):
             if not overwrite:
                 raise GraftError(f"{output} already exists; pass --overwrite to replace it")
             old = output.with_name(f".{output.name}.old-{os.getpid()}")

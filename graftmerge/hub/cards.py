@@ -154,7 +154,8 @@ def _fisher_usage(base_model: str | None, reference: str, entries: Mapping[str, 
         f"graftmerge fisher pull {reference}                          # into the Hugging Face cache\n"
         f"graftmerge fisher pull {reference} -o fisher/mine --layers '{example_layer}'   # only some weights\n"
         "```\n\n"
-        "A cache is refused by a merge whose `base_model` has other tensor names or shapes.\n"
+        "A cache is refused by a merge whose `base_model` has other tensor names or shapes. It is data "
+        "only (safetensors shards and a JSON manifest): `graftmerge fisher pull` fetches nothing else.\n"
     )
 
 
@@ -179,5 +180,9 @@ def render_delta_card(manifest: Mapping[str, Any], repo_id: str, revision: str |
         "## Download\n\n"
         "```bash\n"
         f"graftmerge delta pull {reference} -o deltas/mine\n"
-        "```\n"
+        "```\n\n"
+        "The repo holds data only: safetensors shards, their index, the donor's `config.json` "
+        "(so mergekit can load the delta as a model) and the manifest. graftmerge pushes and pulls "
+        "`config.json` without `auto_map` or `custom_pipelines`, the fields that make transformers "
+        "import code, so a pulled delta never runs anyone's code, even under `--trust-remote-code`.\n"
     )

@@ -3,11 +3,14 @@
 mergekit resolves ``org/name`` by listing the repo on the Hub, which fails offline even
 when the checkpoint is cached; replacing each such reference by its snapshot folder
 before ``run_merge`` makes every merge method work from the cache.
+A snapshot is used only if every entry in it is its own (no link planted to lead out of
+the repo's ``blobs/``), and a revision must be one that cannot climb out of ``refs/``.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from huggingface_hub import constants, snapshot_download
@@ -15,7 +18,8 @@ from mergekit.common import ModelPath, ModelReference
 from pydantic import BaseModel
 
 from graftmerge.errors import GraftError
-from graftmerge.hub.references import hub_reference_or_none
+from graftmerge.hub.references import check_revision, hub_reference_or_none
+from graftmerge.hub.untrusted import check_snapshot_tree
 
 # What mergekit itself downloads for a model (config, tokenizer, weights).
 MODEL_FILE_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
@@ -28,8 +32,10 @@ def cached_model_folder(path: str, revision: str | None) -> str | None:
     """
     if os.path.exists(path) or hub_reference_or_none(path) is None:
         return None
+    if revision is not None:
+        check_revision(revision, f"model {path}@{revision}")  # it becomes a path in the cache (refs/<revision>)
     try:
-        return snapshot_download(path, revision=revision, local_files_only=True, allow_patterns=MODEL_FILE_PATTERNS)
+        folder = snapshot_download(path, revision=revision, local_files_only=True, allow_patterns=MODEL_FILE_PATTERNS)
     except Exception:  # noqa: BLE001 - any failure means "no usable copy in the local cache"
         if constants.is_offline_mode():
             shown = path if revision is None else f"{path} --revision {revision}"
@@ -39,6 +45,8 @@ def cached_model_folder(path: str, revision: str | None) -> str | None:
                 f"(`hf download {shown}`), or write a local folder as ./{path}"
             ) from None
         return None  # online: mergekit downloads it
+    # mergekit reads (and copies tokenizer files out of) this folder: no planted link may lead out of the repo
+    return str(check_snapshot_tree(Path(folder), f"model {path}{'@' + revision if revision else ''}"))
 
 
 def localize_models(config: Any) -> Any:
