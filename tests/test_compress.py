@@ -5,7 +5,6 @@ the --report-delta figures, and refusals of bad input."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from fractions import Fraction
 from math import ceil
@@ -15,9 +14,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import (
-    BIN,
     graft_yaml,
     read_model,
+    run_cli,
     tree_digest,
     write_diagonal_cache,
     write_mixed_cache,
@@ -38,8 +37,8 @@ def mixed(tied_models, tmp_path_factory) -> Path:
 
 
 def run(*args: str, cache_dir: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GRAFTMERGE_CACHE_DIR=str(cache_dir))
-    return subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, env=env, timeout=600)
+    """A console script (in this process) with its own threshold cache folder."""
+    return run_cli(*args, env={"GRAFTMERGE_CACHE_DIR": str(cache_dir)})
 
 
 def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:

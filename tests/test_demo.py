@@ -1,4 +1,8 @@
-"""`graftmerge demo` as the README runs it: the console script, every artefact written and consistent."""
+"""`graftmerge demo` as the README runs it: the console script, every artefact written and consistent.
+
+The README's `graftmerge demo` runs as a real process; `--lm --tiny` runs the same click
+command in this process (conftest.run_cli), its own merges and estimates in subprocesses.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import one_line_error
+from conftest import one_line_error, run_cli
 
 from graftmerge.cli import main
 from graftmerge.formats.checkpoint import Checkpoint
+
+pytestmark = pytest.mark.schedule_first  # each demo trains, estimates and merges for tens of seconds
 
 
 def test_demo_writes_consistent_artefacts(tmp_path: Path) -> None:
@@ -41,9 +47,8 @@ def test_demo_writes_consistent_artefacts(tmp_path: Path) -> None:
 
 def test_lm_demo_at_tiny_size(tmp_path: Path) -> None:
     """Every stage of `graftmerge demo --lm` at a tiny size; consistency, not who wins."""
-    graftmerge = Path(sys.executable).with_name("graftmerge")
-    result = subprocess.run([str(graftmerge), "demo", "--tiny", "--replay", "0.5", "--workdir", str(tmp_path)],
-                            capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    result = run_cli("graftmerge", "demo", "--tiny", "--replay", "0.5", "--workdir", str(tmp_path),
+                     env={"HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["settings"]["replay"] == 0.5 and "task-A replay 0.5 per new example" in result.stdout

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from test_estimate_support import caches_close, make_model, random_rollouts, write_jsonl
 
 from graftmerge.errors import GraftError
@@ -131,7 +132,8 @@ def test_top_p_keeps_only_the_nucleus():
 
 
 def test_killed_process_leaves_no_cache_and_a_rerun_resumes(setup, tmp_path):
-    """SIGKILL after the first checkpoint: no cache appears; the rerun resumes to the same numbers."""
+    """SIGKILL after the first checkpoint: no cache appears; the rerun (the same command, in this
+    process) resumes to the same numbers."""
     import signal
     import time
 
@@ -154,7 +156,7 @@ def test_killed_process_leaves_no_cache_and_a_rerun_resumes(setup, tmp_path):
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert not output.exists()
-    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    rerun = run_cli("graftmerge", *command[1:])
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert open_fisher_cache(output).manifest["counts"] == open_fisher_cache(tmp_path / "straight").manifest["counts"]
     caches_close(tmp_path / "straight", output, rtol=0)

@@ -1,4 +1,9 @@
-"""`graft` through the real, unmodified mergekit-yaml, against task_arithmetic and brute force."""
+"""`graft` through the real, unmodified mergekit-yaml, against task_arithmetic and brute force.
+
+Merges run mergekit-yaml's own click command in this process (conftest.run_cli); the tests
+about the process itself (the .pth hook, start-up imports, the threshold cache between
+runs, the console script) run real subprocesses (conftest.run_process).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import brute_force_graft, graft_yaml, read_model, run_cli, write_diagonal_cache
+from conftest import (
+    brute_force_graft,
+    graft_yaml,
+    read_model,
+    run_cli,
+    run_process,
+    write_diagonal_cache,
+)
 from safetensors.torch import save_file
 
 from graftmerge.formats.fisher_cache import open_fisher_cache
@@ -44,7 +56,7 @@ def assert_within_one_ulp(a: dict, b: dict) -> None:
 
 def test_stock_mergekit_knows_graft():
     code = "from mergekit import merge_methods; print(merge_methods.get('graft').spec.pretty_name)"
-    result = run_cli("python", "-c", code)
+    result = run_process("python", "-c", code)
     assert result.returncode == 0 and result.stdout.strip() == "Graft", result.stderr
 
 
@@ -63,7 +75,7 @@ def test_registering_twice_is_harmless():
 
 def test_interpreter_startup_imports_nothing_heavy():
     code = "import sys; print(sorted(m for m in sys.modules if m.startswith(('torch', 'mergekit', 'graftmerge.'))))"
-    result = run_cli("python", "-c", code)
+    result = run_process("python", "-c", code)
     assert result.stdout.strip() == "['graftmerge.adapter', 'graftmerge.adapter.import_hook']", result.stdout
 
 
@@ -153,11 +165,12 @@ def test_global_mask_on_continuous_scores_equals_brute_force(tmp_path, tied_mode
 
 
 def test_threshold_pass_is_cached_between_runs(tmp_path, tied_models, tied_diag_cache):
+    """Two real `mergekit-yaml` processes: the second reads the first one's threshold from disk."""
     m = tied_models
     config = graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.3)], rho=0.02, fisher=tied_diag_cache)
     (tmp_path / "g.yml").write_text(config)
-    first = run_cli("mergekit-yaml", str(tmp_path / "g.yml"), str(tmp_path / "a"))
-    second = run_cli("mergekit-yaml", str(tmp_path / "g.yml"), str(tmp_path / "b"))
+    first = run_process("mergekit-yaml", str(tmp_path / "g.yml"), str(tmp_path / "a"))
+    second = run_process("mergekit-yaml", str(tmp_path / "g.yml"), str(tmp_path / "b"))
     assert first.returncode == second.returncode == 0, second.stderr
     assert "graft threshold: scoring" in first.stderr
     assert "graft threshold" not in second.stderr
@@ -197,7 +210,7 @@ def test_retention_cost_non_increasing_in_rho(tmp_path, tied_models, tied_diag_c
 
 
 def test_help_teaches():
-    result = run_cli("graftmerge", "--help")
+    result = run_process("graftmerge", "--help")  # the console script itself
     assert result.returncode == 0 and "merge" in result.stdout and "fisher" in result.stdout
 
 

@@ -3,7 +3,8 @@
 ``FakeHub`` answers the HTTP calls huggingface_hub makes (create repo/branch, tree
 listing, preupload, commit, HEAD/GET of files) through an ``httpx2.MockTransport``, so
 push and pull run the real client code; merges run the stock ``mergekit-yaml`` (and
-``graftmerge merge``) in subprocesses reading a temporary HF cache with HF_HUB_OFFLINE=1.
+``graftmerge merge``) click commands in this process (conftest.run_cli), reading a
+temporary HF cache offline.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def hub(monkeypatch, tmp_path):
     cache = tmp_path / "hf-cache"
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))  # for subprocesses
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))  # for anything reading the environment, or a subprocess
     monkeypatch.delenv("HF_TOKEN", raising=False)
     set_client_factory(lambda: httpx2.Client(
         transport=httpx2.MockTransport(fake.handle), event_hooks={"request": [hf_request_event_hook]},

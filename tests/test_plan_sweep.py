@@ -4,7 +4,6 @@ mergekit-yaml runs (bit for bit), and both commands' refusals of bad input."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from fractions import Fraction
 from math import ceil
@@ -15,10 +14,10 @@ import torch
 import yaml
 from click.testing import CliRunner
 from conftest import (
-    BIN,
     graft_yaml,
     one_line_error,
     read_model,
+    run_cli,
     tree_digest,
     write_diagonal_cache,
     write_mixed_cache,
@@ -123,8 +122,8 @@ def test_plan_cli_prints_every_rho_and_writes_json(tmp_path, tied_models, caches
 
 
 def run_graftmerge(*args: str, cache_dir: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GRAFTMERGE_CACHE_DIR=str(cache_dir))
-    return subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, env=env, timeout=600)
+    """A console script (in this process) with its own threshold cache folder."""
+    return run_cli(*args, env={"GRAFTMERGE_CACHE_DIR": str(cache_dir)})
 
 
 def assert_bitwise_equal(got: Path, expected: Path) -> None:
