@@ -15,12 +15,16 @@ from math import ceil
 from pathlib import Path
 from typing import NamedTuple
 
-import pytest
-import torch
+# Offline before huggingface_hub is imported (it reads the variable once, at import), so
+# in-process merges are offline even in a plain `pytest` run without scripts/test.sh.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
-from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
-from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from graftmerge.formats.checkpoint import Checkpoint  # noqa: E402
+from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache  # noqa: E402
+from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
