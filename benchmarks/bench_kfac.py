@@ -5,12 +5,17 @@ the FLOPs actually done per second ÷ this machine's float32 matmul FLOP/s on th
 shapes, measured in the same run (the back-rotation is restricted to the rows and
 columns of Δ̃ holding masked pairs, so "nominal" counts all four matmuls at full size).
 
+Part 1b (also alone: --orthonormal-only): the full orthonormality check every read of a
+KFAC side runs (max |VᵀV − I|, one float32 matmul) at the 0.6B model's side sizes
+1024, 2048 and 3072, the sha256 that lets a second read of the same tensor skip it, and
+the whole-model extrapolation (28 layers × 14 sides, every side a distinct basis).
+
 Part 2: on the ~0.6B checkpoint of bench_graft.py (reuses --workdir), with a generated
 KFAC cache (random orthonormal bases, decaying spectra, one entry per Linear weight):
 wall time of `mergekit-yaml` graft rho=0.001 global KFAC ÷ task_arithmetic, the number of
 Δ̃ computations per weight per merge, and the share of the merge spent in matmuls.
 
-    python benchmarks/bench_kfac.py --workdir bench-work [--repeats 3] [--skip-model]
+    python benchmarks/bench_kfac.py --workdir bench-work [--repeats 3] [--skip-model] [--orthonormal-only]
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 from bench_graft import CONFIGS, build_inputs
 from common import qwen3_config, time_merges
 
-from graftmerge.formats.fisher_cache import KfacFactors
+from graftmerge.formats.fisher_cache import KfacFactors, check_orthonormal
 from graftmerge.math.projection import TensorFisher, remove_masked, score_delta
 from graftmerge.math.selection import mask_from_threshold
 
@@ -83,6 +88,33 @@ def projection_benchmark(d_out: int = 3072, d_in: int = 1024) -> None:
               f"{done_flops / 1e9:5.1f} GFLOP done ({rows}×{columns} of Δ̃ back-rotated): "
               f"{done_flops / seconds / 1e9:6.1f} GFLOP/s = {done_flops / seconds / peak:4.2f} × matmul; "
               f"nominal {nominal / seconds / 1e9:6.1f} GFLOP/s")
+
+
+# Sides of one Qwen3-0.6B layer by size (hidden 1024, 16×128 query heads, 8×128 kv heads,
+# intermediate 3072): q 2048×1024, k and v 1024×1024, o 1024×2048, gate and up 3072×1024,
+# down 1024×3072, rows and columns each.
+SIDES_PER_LAYER = {1024: 9, 2048: 2, 3072: 3}
+LAYERS = 28
+
+
+def orthonormal_check_benchmark(repeats: int = 3) -> None:
+    """Seconds per side of the full check on read, and what it adds to one whole-model KFAC merge."""
+    import hashlib
+
+    g = torch.Generator().manual_seed(0)
+    check, digest = {}, {}
+    for n in SIDES_PER_LAYER:
+        basis = random_basis(n, g)
+        check[n] = best_seconds(lambda basis=basis: check_orthonormal(basis, "basis"), repeats)
+        digest[n] = best_seconds(lambda basis=basis: hashlib.sha256(memoryview(basis.numpy()).cast("B")).digest(), repeats)
+        print(f"  side {n}: full check {check[n] * 1e3:7.1f} ms ({2 * n ** 3 / check[n] / 1e9:5.1f} GFLOP/s), "
+              f"sha256 of the {n * n * 4 / 1e6:.0f} MB tensor {digest[n] * 1e3:5.1f} ms")
+    first = LAYERS * sum(count * check[n] for n, count in SIDES_PER_LAYER.items())
+    again = LAYERS * sum(count * digest[n] for n, count in SIDES_PER_LAYER.items())
+    sides = LAYERS * sum(SIDES_PER_LAYER.values())
+    print(f"0.6B KFAC cache ({sides} full sides, each a distinct basis): first read of every side {first:.1f} s, "
+          f"a second read (the merge after the threshold pass) {again:.1f} s with the per-cache sha256 memo "
+          f"({first:.1f} s without): {first + again:.1f} s per merge")
 
 
 def write_kfac_cache(workdir: Path) -> Path:
@@ -152,7 +184,12 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("bench-work"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-model", action="store_true", help="only the single-weight projection")
+    parser.add_argument("--orthonormal-only", action="store_true", help="only the orthonormality check on read")
     args = parser.parse_args()
+    print(f"full orthonormality check on read (threads {torch.get_num_threads()}, best of {args.repeats}):")
+    orthonormal_check_benchmark(args.repeats)
+    if args.orthonormal_only:
+        return
     projection_benchmark()
     if args.skip_model:
         return

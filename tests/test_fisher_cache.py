@@ -75,7 +75,7 @@ def test_interrupted_write_leaves_no_cache(tmp_path, tied_models):
 def test_manifest_is_written_last(tmp_path, tied_models, monkeypatch):
     writer = FisherCacheWriter(tmp_path / "c", model=tied_models["post"], max_shard_bytes=1)
     writer.add_diagonal("model.norm.weight", torch.ones(64))
-    partial = next(tmp_path.glob(".c.partial-*"))
+    partial = next(tmp_path.glob(".c.partial-*")) / "c"  # the staging folder has the cache's own name
     assert list(partial.glob("fisher-*.safetensors")) and not (partial / MANIFEST_NAME).exists()
     with pytest.raises(GraftError, match="not a Fisher cache"):
         open_fisher_cache(partial)

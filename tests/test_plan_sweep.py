@@ -160,7 +160,7 @@ def test_sweep_outputs_equal_separate_mergekit_yaml_runs(tmp_path, tied_models, 
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == sorted(
         f"lambda-{lam!r}_rho-{rho!r}" for lam in lambdas for rho in rhos)
-    assert not list(tmp_path.glob(".graft-sweep-partial-*"))
+    assert not list(tmp_path.glob(".sweep.*"))  # no staging folder or lock file left
     for lam in lambdas:
         for rho in rhos:
             folder = tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}"
@@ -244,5 +244,5 @@ def test_bad_inputs_one_line_exit_2_nothing_written(tmp_path, tied_models, cache
     assert fragment in line
     assert not (tmp_path / "out").exists()
     assert [p.name for p in (tmp_path / "existing").iterdir()] == ["keep.txt"]
-    assert not list(tmp_path.glob(".graft-sweep-partial-*"))
+    assert not list(tmp_path.glob(".out.*")) and not list(tmp_path.glob(".existing.*"))
     assert (tree_digest(m["post"].parent), tree_digest(caches["diag"])) == before

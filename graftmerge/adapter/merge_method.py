@@ -78,14 +78,15 @@ class GraftMergeMethod(GroupMergeMethod):
         for entry in group.non_base:
             role = parameters["role"][entry.id]
             folder = resolve_model_folder(entry.id.model.path, entry.id.model.revision)
+            lora = entry.id.lora and resolve_model_folder(entry.id.lora.path, entry.id.lora.revision)
             if role == "donor":
                 donor = entry.tensor
                 donor_folder = folder
             elif role == "donor_ft":
-                fine_tunes.append(FineTune(folder, parameters["weight"][entry.id]))
+                fine_tunes.append(FineTune(folder, parameters["weight"][entry.id], adapter=lora))
                 fine_tune_tensors.append(entry.tensor)
-            elif role == "delta":
-                deltas.append(FineTune(folder, parameters["weight"][entry.id]))
+            elif role == "delta":  # a LoRA folder arrives as POST+ADAPTER (graftmerge.pipeline.lora_inputs)
+                deltas.append(FineTune(lora or folder, parameters["weight"][entry.id]))
                 delta_tensors.append(entry.tensor)
             else:
                 raise GraftError(f"model {entry.id} has role {role!r}; roles are donor, donor_ft, delta")

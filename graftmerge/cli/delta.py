@@ -71,6 +71,8 @@ def extract(donor: Path, donor_ft: Path, output: Path, weight: float, dtype: str
 @click.argument("delta_folder", metavar="DELTA", type=click.Path(path_type=Path))
 @click.option("--fisher", type=click.Path(path_type=Path),
               help="Fisher cache of the post model: adds the Fisher-weighted columns.")
+@click.option("--base", type=click.Path(path_type=Path),
+              help="For a PEFT LoRA folder: the model it was trained on (tensor names, shapes, donor).")
 @click.option("--top", default=0.01, show_default=True, type=float,
               help="Fraction of coordinates counted as most sensitive (largest Fisher values).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Save a PNG plot here.")
@@ -80,8 +82,8 @@ def extract(donor: Path, donor_ft: Path, output: Path, weight: float, dtype: str
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
 @report_errors
-def stats(delta_folder: Path, fisher: Path | None, top: float, plot: Path | None, json_file: Path | None,
-          blocks_only: bool, quiet: bool, verbose: bool) -> None:
+def stats(delta_folder: Path, fisher: Path | None, base: Path | None, top: float, plot: Path | None,
+          json_file: Path | None, blocks_only: bool, quiet: bool, verbose: bool) -> None:
     """Where DELTA writes: L2 norms per tensor and per block; with --fisher, how sensitive.
 
     \b
@@ -93,11 +95,12 @@ def stats(delta_folder: Path, fisher: Path | None, top: float, plot: Path | None
     The whole-delta "model top" share is the paper's Fig. 8 (right): how much of
     an update lands on the post model's most sensitive coordinates. A weight
     with only KFAC factors uses the diagonal of its KFAC Fisher, diag(P) diag(Q)ᵀ.
+    DELTA may be a PEFT LoRA folder (adapter_config.json); then --base is needed.
     """
     # lazy: the report loads torch and matplotlib; only when the command runs, so --help stays fast
     from graftmerge.pipeline.delta_report import compute_stats, format_table, plot_stats
 
-    result = compute_stats(delta_folder, fisher, top=top, progress=not quiet)
+    result = compute_stats(delta_folder, fisher, top=top, progress=not quiet, base=base)
     click.echo(format_table(result, tensors=not blocks_only))
     if plot is not None:
         click.echo(f"wrote plot {plot_stats(result, plot)}")

@@ -15,8 +15,11 @@ from graftmerge.hub.models import localize_models
 @click.command("merge")
 @click.argument("config_file", type=click.Path(dir_okay=False))
 @click.argument("out_path", type=click.Path(file_okay=False))
+@click.option("--no-threshold-cache", is_flag=True,
+              help="Compute the global mask threshold afresh, without reading or writing the threshold cache "
+                   "(for inputs edited in place; for mergekit-yaml set GRAFTMERGE_NO_THRESHOLD_CACHE=1).")
 @add_merge_options
-def merge(merge_options: MergeOptions, config_file: str, out_path: str) -> None:
+def merge(merge_options: MergeOptions, config_file: str, out_path: str, no_threshold_cache: bool) -> None:
     """Run a merge config (graft or any mergekit method) and write the model to OUT_PATH.
 
     Same as `mergekit-yaml CONFIG_FILE OUT_PATH`: graft configs are validated
@@ -28,8 +31,10 @@ def merge(merge_options: MergeOptions, config_file: str, out_path: str) -> None:
     from mergekit.merge import run_merge
 
     from graftmerge.pipeline.graft_plan import read_merge_config
+    from graftmerge.pipeline.threshold_pass import threshold_cache_disabled
 
     merge_options.apply_global_options()
     config, source = read_merge_config(config_file)
     # Hub-id models from the local HF cache (mergekit cannot resolve them offline).
-    run_merge(localize_models(config), out_path, options=merge_options, config_source=source)
+    with threshold_cache_disabled(no_threshold_cache):
+        run_merge(localize_models(config), out_path, options=merge_options, config_source=source)

@@ -1,12 +1,14 @@
 """``graftmerge fisher estimate`` as a library call: data → batches → sums → cache.
 
 Works the same in one process and under ``torchrun`` (each rank takes every K-th
-batch; sums are all-reduced; rank 0 writes). Nothing appears at the output path until
-the cache is complete (the writer renames it into place, manifest last).
+batch; sums are all-reduced; rank 0 writes). Rank 0 locks the output path before any
+work, and nothing appears there until the cache is complete (the writer renames it into
+place, manifest last, replacing an existing cache whole: ``formats.output_folder``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -41,6 +43,7 @@ from graftmerge.estimate.sampling import (
 )
 from graftmerge.formats.file_hash import file_sha256
 from graftmerge.formats.fisher_cache import FisherCacheWriter
+from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
 
 ACCUMULATOR_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -157,12 +160,22 @@ def estimate_fisher(
     """
     ranks = distributed.start(settings.device)
     try:
-        return _estimate(settings, ranks, after_batch)
+        with _output_folder(settings, ranks) as output:
+            return _estimate(settings, ranks, after_batch, output)
     finally:
         distributed.stop(ranks)
 
 
-def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch) -> Path | None:
+def _output_folder(settings: EstimateSettings, ranks: distributed.Ranks):
+    """Rank 0 locks the output before any work (a second run on it fails at once); other ranks write nothing."""
+    if not ranks.is_main:
+        return contextlib.nullcontext()
+    return OutputFolder(settings.output, replace=OVERWRITE if settings.overwrite else NEW,
+                        hint="pass --overwrite to replace it")
+
+
+def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch,
+              output: OutputFolder | None = None) -> Path | None:
     """One rank's run: data, its batches summed, sums all-reduced, the cache written by rank 0."""
     settings.output = Path(settings.output)
     _check(settings)
@@ -204,7 +217,7 @@ def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch)
     try:
         counts = _counts(accumulator, stats)
         estimator = _estimator_record(settings, ranks, model, accumulator, data, max_length, seconds)
-        _write_cache(settings, accumulator, counts, estimator)
+        _write_cache(settings, accumulator, counts, estimator, output)
         checkpointing.clear(folder)
     finally:
         distributed.barrier(ranks)
@@ -377,6 +390,7 @@ def _write_cache(
     accumulator: FisherAccumulator,
     counts: dict[str, int],
     estimator: dict[str, Any],
+    output: OutputFolder | None = None,
 ) -> None:
     """The means written as a cache; the writer renames it into place only once it is complete."""
     diagonal, kfac = accumulator.means()
@@ -388,6 +402,7 @@ def _write_cache(
         estimator=estimator,
         counts=counts,
         overwrite=settings.overwrite,
+        output=output,
     ) as writer:
         for name, tensor in diagonal.items():
             writer.add_diagonal(name, tensor)

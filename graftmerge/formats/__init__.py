@@ -6,5 +6,8 @@ delta_folder    delta folders written by ``graftmerge delta extract`` (``docs/de
 rotation_store  the threshold pass's scratch Δ̃ = UᵀΔV, reused by the merge
 gguf_import     a GGUF file turned into a safetensors model folder
 file_hash       sha256 of a file, for identities and uploads
+json_file       manifests and indexes read defensively: size and nesting capped, no repeated key
+manifest_schema Fisher and delta manifests checked field by field
+output_folder   every output folder: built beside OUT under a lock, then replacing it whole
 May import: ``math``, ``errors``.
 """

@@ -6,6 +6,7 @@ loaded); tensors are read one at a time through safetensors' memory map.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -13,11 +14,13 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import safe_open
 
 from graftmerge.errors import GraftError
+from graftmerge.formats.json_file import DuplicateKeyError, load_json_file, refuse_duplicate_keys
 
 SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8),
@@ -35,6 +38,8 @@ SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
 }
 SAFETENSORS_NAMES: dict[torch.dtype, str] = {dtype: name for name, (dtype, _) in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+INDEX_NAME = "model.safetensors.index.json"
+SAMPLE_BYTES = 4096  # per window of a sampled fingerprint; three windows (start, middle, end) per tensor
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,47 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+@dataclass(frozen=True)
+class SafetensorsLayout:
+    """One shard's header, checked: its tensors, where their bytes lie, and the header's own sha256."""
+
+    file: Path
+    data_start: int  # 8 + header length: where the data section begins
+    header_sha256: str
+    tensors: dict[str, TensorInfo]
+    offsets: dict[str, tuple[int, int]]  # [begin, end) of each tensor within the data section
+
+
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     """Parse and check one shard's header against its size; raise GraftError if corrupt."""
+    return read_safetensors_layout(file).tensors
+
+
+def read_safetensors_layout(file: Path) -> SafetensorsLayout:
+    """The one strict safetensors header parser every format uses; GraftError naming the file (and tensor).
+
+    Checks: header length within the file and at most 100 MiB; a JSON object without
+    duplicate keys; ``__metadata__`` a str → str map; each entry exactly ``dtype``,
+    ``shape``, ``data_offsets``, a known dtype, integer (not bool or float) non-negative
+    dims and offsets matching the shape; offsets sorted, contiguous from 0, never
+    overlapping, covering the data section exactly to the end of the file.
+    """
+    raw, size = _header_bytes(file)
+    header = _header_json(raw, file)
+    tensors: dict[str, TensorInfo] = {}
+    offsets: dict[str, tuple[int, int]] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            _check_metadata(entry, file)
+            continue
+        tensors[name], offsets[name] = _header_entry(file, name, entry)
+    _check_data_layout(file, offsets, size - 8 - len(raw))
+    return SafetensorsLayout(file=file, data_start=8 + len(raw), header_sha256=hashlib.sha256(raw).hexdigest(),
+                             tensors=tensors, offsets=offsets)
+
+
+def _header_bytes(file: Path) -> tuple[bytes, int]:
+    """(the header's JSON bytes, the file's size); GraftError for a short file or an absurd length."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as handle:
@@ -76,35 +120,97 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
                     f"{file}: corrupt or truncated safetensors header "
                     f"(header claims {header_len} bytes, file has {size})"
                 )
-            header = json.loads(handle.read(header_len))
+            return handle.read(header_len), size
     except OSError as error:
         raise GraftError(f"{file}: cannot read ({error.strerror})") from error
+
+
+def _header_json(raw: bytes, file: Path) -> dict[str, Any]:
+    """The header as a JSON object; GraftError if it is not JSON, nested absurdly, not an object, or repeats a key."""
+    try:
+        header = json.loads(raw, object_pairs_hook=refuse_duplicate_keys)
+    except DuplicateKeyError as error:
+        raise GraftError(f"{file}: corrupt safetensors header (key {error.args[0]!r} appears twice)") from error
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise GraftError(f"{file}: corrupt safetensors header (not JSON)") from error
+    except RecursionError as error:
+        raise GraftError(f"{file}: corrupt safetensors header (nested too deeply)") from error
     if not isinstance(header, dict):
         raise GraftError(f"{file}: corrupt safetensors header (not a JSON object)")
-    tensors: dict[str, TensorInfo] = {}
-    data_end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as error:
-            raise GraftError(f"{file}: corrupt header entry for tensor {name!r}") from error
-        if dtype not in SAFETENSORS_DTYPES:
-            raise GraftError(f"{file}: tensor {name!r} has unsupported dtype {dtype}")
-        itemsize = SAFETENSORS_DTYPES[dtype][1]
-        if end - begin != math.prod(shape) * itemsize or begin < 0:
-            raise GraftError(f"{file}: corrupt header: tensor {name!r} offsets do not match its shape")
-        data_end = max(data_end, end)
-        tensors[name] = TensorInfo(name=name, shape=shape, dtype=dtype, file=file)
-    if 8 + header_len + data_end != size:
+    return header
+
+
+def _check_metadata(metadata: Any, file: Path) -> None:
+    """``__metadata__`` is a map of strings to strings (the safetensors format says so)."""
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise GraftError(f"{file}: corrupt safetensors header (__metadata__ is not a map of strings to strings)")
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative JSON integer (``true`` and ``1.0`` are not)."""
+    return type(value) is int and value >= 0
+
+
+def _header_entry(file: Path, name: str, entry: Any) -> tuple[TensorInfo, tuple[int, int]]:
+    """One tensor's header entry, checked: (its TensorInfo, its [begin, end) in the data section)."""
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise GraftError(f"{file}: corrupt header entry for tensor {name!r} (needs exactly dtype, shape, data_offsets)")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+        raise GraftError(f"{file}: tensor {name!r} has unsupported dtype {dtype}")
+    if not isinstance(shape, list) or not all(_is_count(dim) for dim in shape):
+        raise GraftError(f"{file}: corrupt header entry for tensor {name!r} (shape {shape!r} is not a list of "
+                         "non-negative integers)")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise GraftError(f"{file}: corrupt header entry for tensor {name!r} (data_offsets {offsets!r} are not two "
+                         "non-negative integers)")
+    begin, end = offsets
+    if end < begin or end - begin != math.prod(shape) * SAFETENSORS_DTYPES[dtype][1]:
+        raise GraftError(f"{file}: corrupt header: tensor {name!r} offsets do not match its shape")
+    return TensorInfo(name=name, shape=tuple(shape), dtype=dtype, file=file), (begin, end)
+
+
+def _check_data_layout(file: Path, offsets: dict[str, tuple[int, int]], data_size: int) -> None:
+    """Tensors tile the data section: sorted, from 0, no gap, no overlap, up to the end of the file."""
+    position = 0
+    for name, (begin, end) in sorted(offsets.items(), key=lambda item: item[1]):
+        if begin != position:
+            problem = "overlaps the tensor before it" if begin < position else "leaves a gap before it"
+            raise GraftError(f"{file}: corrupt header: tensor {name!r} at bytes {begin}-{end} {problem} "
+                             "(tensors must tile the data section)")
+        position = end
+    if position != data_size:
         raise GraftError(
             f"{file}: truncated or corrupt safetensors file "
-            f"(header describes {8 + header_len + data_end} bytes, file has {size})"
+            f"(header describes {position} bytes of data, the file holds {data_size})"
         )
-    return tensors
+
+
+def tensor_windows(handle: BinaryIO, start: int, size: int) -> bytes:
+    """Three ``SAMPLE_BYTES`` windows (start, middle, end) of the ``size`` bytes at ``start`` of an open file.
+
+    What sampled fingerprints hash: a few reads per tensor, whatever its size.
+    """
+    parts = []
+    for offset in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+        handle.seek(start + offset)
+        parts.append(handle.read(min(SAMPLE_BYTES, size - offset)))
+    return b"".join(parts)
+
+
+def shard_sample_digest(layout: SafetensorsLayout) -> str:
+    """sha256 of a shard's header and three windows of every tensor's bytes: a cheap content identity.
+
+    Catches any edit of the header and any edit inside a sampled window; an in-place
+    edit elsewhere in a large tensor goes unseen (it is sampled, not a full hash).
+    """
+    digest = hashlib.sha256(layout.header_sha256.encode())
+    with open(layout.file, "rb") as handle:
+        for begin, end in sorted(layout.offsets.values()):
+            window = tensor_windows(handle, layout.data_start + begin, end - begin)
+            digest.update(len(window).to_bytes(8, "little"))
+            digest.update(window)
+    return digest.hexdigest()
 
 
 class TensorSource:
@@ -134,24 +240,41 @@ class Checkpoint(TensorSource):
         if not self.folder.is_dir():
             raise GraftError(f"{self.label}: model folder {self.folder} does not exist")
         self.tensors: dict[str, TensorInfo] = {}
-        for file in self._shard_files():
-            for name, info in read_safetensors_header(file).items():
+        self.layouts: dict[Path, SafetensorsLayout] = {}  # every shard's checked header
+        weight_map = self._weight_map()
+        files = sorted({self.folder / f for f in weight_map.values()}) if weight_map is not None else self._glob_shards()
+        for file in files:
+            self.layouts[file] = read_safetensors_layout(file)
+            for name, info in self.layouts[file].tensors.items():
                 if name in self.tensors:
-                    raise GraftError(f"{self.label}: tensor {name!r} appears in two shards")
+                    raise GraftError(f"{self.label}: tensor {name!r} appears in two shards ({self.tensors[name].file.name}, "
+                                     f"{file.name})")
                 self.tensors[name] = info
+        if weight_map is not None:
+            self._check_index(weight_map)
 
-    def _shard_files(self) -> list[Path]:
-        index = self.folder / "model.safetensors.index.json"
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise GraftError(f"{index}: corrupt shard index") from error
-            files = sorted({self.folder / f for f in weight_map.values()})
-            missing = [f.name for f in files if not f.exists()]
-            if missing:
-                raise GraftError(f"{index}: lists missing shard(s) {', '.join(missing)}")
-            return files
+    def _weight_map(self) -> dict[str, str] | None:
+        """The shard index's ``weight_map`` (tensor → shard file), checked; None when there is no index."""
+        index = self.folder / INDEX_NAME
+        if not index.exists():
+            return None
+        content = load_json_file(index, "shard index")
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise GraftError(f"{index}: corrupt shard index (no `weight_map` of tensor names to shard files)")
+        for shard in sorted(set(weight_map.values())):
+            parts = shard.split("/")
+            if not shard.endswith(".safetensors") or "\\" in shard or any(p in ("", ".", "..") for p in parts) or any(
+                    ord(c) < 32 for c in shard):
+                raise GraftError(f"{index}: corrupt shard index (shard name {shard!r} is not a .safetensors file "
+                                 "inside the folder)")
+        missing = sorted(f for f in set(weight_map.values()) if not (self.folder / f).is_file())
+        if missing:
+            raise GraftError(f"{index}: lists missing shard(s) {', '.join(missing)}")
+        return weight_map
+
+    def _glob_shards(self) -> list[Path]:
+        """Every ``*.safetensors`` of an unindexed folder; GraftError when there is none."""
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise GraftError(
@@ -159,6 +282,16 @@ class Checkpoint(TensorSource):
                 "(graftmerge reads safetensors only; re-save the model with safe_serialization=True)"
             )
         return files
+
+    def _check_index(self, weight_map: dict[str, str]) -> None:
+        """The index names exactly the shards' tensors, each in the shard that holds it (mergekit reads by the index)."""
+        index = self.folder / INDEX_NAME
+        for name, shard in sorted(weight_map.items()):
+            if name not in self.tensors or self.tensors[name].file != self.folder / shard:
+                raise GraftError(f"{index}: lists tensor {name!r} in {shard}, which does not hold it")
+        unlisted = sorted(set(self.tensors) - set(weight_map))
+        if unlisted:
+            raise GraftError(f"{index}: does not list tensor {unlisted[0]!r} of {self.tensors[unlisted[0]].file.name}")
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """One tensor (or its rows ``start:stop``), loaded now, in its stored dtype."""
@@ -175,6 +308,17 @@ class Checkpoint(TensorSource):
         for file in sorted({info.file for info in self.tensors.values()}):
             stat = file.stat()
             stamps.append((str(file.resolve()), stat.st_size, stat.st_mtime_ns))
+        return stamps
+
+    def content_stamps(self) -> list[tuple[str, int, int, str]]:
+        """(path, size, mtime_ns, sampled digest of header and content) of every shard: a result cache's key.
+
+        See :func:`shard_sample_digest` for what the digest sees (and what it cannot).
+        """
+        stamps = []
+        for file, layout in sorted(self.layouts.items()):
+            stat = file.stat()
+            stamps.append((str(file.resolve()), stat.st_size, stat.st_mtime_ns, shard_sample_digest(layout)))
         return stamps
 
 

@@ -17,28 +17,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from graftmerge.errors import GraftError
-from graftmerge.formats.checkpoint import Checkpoint, hf_cache_origin
+from graftmerge.formats.checkpoint import Checkpoint, hf_cache_origin, tensor_windows
+from graftmerge.formats.json_file import load_json_file
+from graftmerge.formats.manifest_schema import DELTA_DTYPES, check_delta_manifest
 
 FORMAT_NAME = "graftmerge.delta"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "delta_manifest.json"
 INDEX_NAME = "model.safetensors.index.json"
-SAMPLE_BYTES = 4096  # per window; three windows (start, middle, end) per tensor
-
-
-def _data_offsets(file: Path) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(start of the data section, byte range of each tensor in it) from a header Checkpoint already checked."""
-    with open(file, "rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_len))
-    offsets = {name: tuple(entry["data_offsets"]) for name, entry in header.items() if name != "__metadata__"}
-    return 8 + header_len, offsets
 
 
 def sampled_digest(checkpoint: Checkpoint) -> str:
@@ -49,22 +42,11 @@ def sampled_digest(checkpoint: Checkpoint) -> str:
     another (a fine-tune changes every tensor it touches all over), not a
     single flipped bit: it is an identity check, not an integrity check.
     """
-    by_file: dict[Path, list[str]] = {}
-    for name, info in checkpoint.tensors.items():
-        by_file.setdefault(info.file, []).append(name)
     windows: dict[str, bytes] = {}
-    for file, names in by_file.items():
-        data_start, offsets = _data_offsets(file)
+    for file, layout in checkpoint.layouts.items():
         with open(file, "rb") as handle:
-            for name in names:
-                begin, end = offsets[name]
-                size = end - begin
-                starts = sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)})
-                parts = []
-                for start in starts:
-                    handle.seek(data_start + begin + start)
-                    parts.append(handle.read(min(SAMPLE_BYTES, size - start)))
-                windows[name] = b"".join(parts)
+            for name, (begin, end) in layout.offsets.items():
+                windows[name] = tensor_windows(handle, layout.data_start + begin, end - begin)
     digest = hashlib.sha256()
     for name in sorted(windows):
         info = checkpoint.tensors[name]
@@ -138,27 +120,47 @@ def open_delta(path: str | os.PathLike, label: str | None = None) -> DeltaFolder
             f"{label}: {path} is not a graftmerge delta (no {MANIFEST_NAME}); make one with "
             "`graftmerge delta extract DONOR DONOR_FT -o DELTA` (an interrupted extract leaves none)"
         )
-    try:
-        manifest = json.loads(manifest_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise GraftError(f"{manifest_file}: unreadable or corrupt manifest ({error})") from error
+    manifest = load_json_file(manifest_file, "manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise GraftError(f"{manifest_file}: not a graftmerge delta manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") != FORMAT_VERSION or isinstance(manifest.get("format_version"), bool):
         raise GraftError(
             f"{manifest_file}: format version {manifest.get('format_version')} is not supported "
             f"(this graftmerge reads v{FORMAT_VERSION}; upgrade graftmerge)"
         )
-    for key in ("donor", "donor_ft", "weight", "dtype"):
-        if key not in manifest:
-            raise GraftError(f"{manifest_file}: corrupt manifest (no {key!r})")
-    checkpoint = Checkpoint(path, label=label)
-    recorded = {name: entry["shape"] for name, entry in manifest["donor"]["tensors"].items()}
-    actual = {name: list(info.shape) for name, info in checkpoint.tensors.items()}
+    recorded = check_delta_manifest(manifest, str(manifest_file))
+    checkpoint = DeltaCheckpoint(path, label=label)
+    actual = {name: info.shape for name, info in checkpoint.tensors.items()}
     if recorded != actual:
         differing = sorted(set(recorded) ^ set(actual)) or sorted(n for n in actual if recorded[n] != actual[n])
         raise GraftError(
             f"{label}: its tensors do not match its manifest (e.g. {', '.join(differing[:3])}); "
             "the folder was modified after extraction, extract it again"
         )
+    stored = DELTA_DTYPES[manifest["dtype"]]
+    for name, info in sorted(checkpoint.tensors.items()):
+        if info.dtype != stored:
+            raise GraftError(f"{info.file}: delta tensor {name!r} is stored as {info.dtype}, but the manifest says "
+                             f"{manifest['dtype']} ({stored})")
     return DeltaFolder(path=path, manifest=manifest, checkpoint=checkpoint)
+
+
+class DeltaCheckpoint(Checkpoint):
+    """A delta folder's tensors: every read is checked finite (a NaN in Δ would reach the merged model)."""
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor (or its rows), as stored; GraftError naming file and tensor if it holds NaN or Inf."""
+        tensor = super().read(name, rows)
+        check_finite_delta(tensor, self.tensors[name].file, name)
+        return tensor
+
+    def check_all_values(self) -> None:
+        """Read every tensor once: all finite (what a pull checks)."""
+        for name in sorted(self.tensors):
+            self.read(name)
+
+
+def check_finite_delta(tensor: torch.Tensor, file: Path | None, name: str) -> None:
+    """GraftError ``<file>: delta tensor <name> contains NaN or Inf`` unless every value is finite."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise GraftError(f"{file}: delta tensor {name!r} contains NaN or Inf")

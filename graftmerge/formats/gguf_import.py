@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,13 +25,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
 from graftmerge.errors import GraftError
+from graftmerge.formats.gguf_header import GgufLayout, check_model_tensors, read_gguf_layout
+from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,6 +64,7 @@ class GgufHeader:
     architecture: str
     tensor_types: dict[str, str]  # ggml type name -> the first tensor stored in it
     has_tokenizer: bool
+    layout: GgufLayout | None = None  # the checked header (counts, tensor infos)
 
 
 def read_gguf_header(file: str | os.PathLike) -> GgufHeader:
@@ -76,26 +78,22 @@ def read_gguf_header(file: str | os.PathLike) -> GgufHeader:
         magic = handle.read(4)
     if magic != GGUF_MAGIC:
         raise GraftError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
-    try:
-        reader = GGUFReader(path, "r")  # read-only memory map
-    except Exception as error:  # gguf-py raises ValueError, struct.error, IndexError ... on corrupt files
-        raise GraftError(f"{path} is not a readable GGUF file ({_first_line(error)})") from error
-    field = reader.fields.get("general.architecture")
-    if field is None:
+    layout = read_gguf_layout(path)  # every count and length checked against the file before gguf-py sees it
+    if layout.architecture is None:
         raise GraftError(f"{path} has no general.architecture in its metadata; cannot tell what model it is")
-    architecture = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
     types: dict[str, str] = {}
-    for tensor in reader.tensors:
-        types.setdefault(tensor.tensor_type.name, tensor.name)
-    return GgufHeader(path, architecture, types, "tokenizer.ggml.model" in reader.fields)
+    for tensor in layout.tensors:
+        types.setdefault(tensor.type_name, tensor.name)
+    has_tokenizer = "tokenizer.ggml.model" in layout.metadata or "tokenizer.ggml.model" in layout.arrays
+    return GgufHeader(path, layout.architecture, types, has_tokenizer, layout)
 
 
 def causal_lm_config(header: GgufHeader):
     """transformers' config for the GGUF; GraftError unless transformers maps it to a causal LM."""
     path = header.path
     try:
-        with _quiet_transformers():
-            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        with _quiet_transformers(), _gguf_alone(path) as folder:
+            config = AutoConfig.from_pretrained(folder, gguf_file=path.name, trust_remote_code=False)
     except (ValueError, KeyError, OSError, NotImplementedError) as error:
         raise GraftError(
             f"{path}: GGUF architecture {header.architecture!r} is not one transformers can load "
@@ -155,6 +153,45 @@ def _can_dequantize(architecture: str, type_name: str) -> bool:
     return True
 
 
+def check_implied_model(header: GgufHeader, config) -> None:
+    """GraftError unless the model ``config`` describes is the one the GGUF's tensors hold.
+
+    Checked before transformers allocates anything: the token embedding and every
+    declared block have tensors; the config's layers, width and vocabulary match them;
+    and its parameter count (counted on the meta device, which allocates nothing) is no
+    more than the tensors hold, plus an output layer tied to the embedding. A header
+    that describes a 7B model over a few bytes of tensors stops here.
+    """
+    layout = header.layout if header.layout is not None else read_gguf_layout(header.path)
+    blocks = check_model_tensors(layout)
+    embedding = layout.tensor("token_embd.weight")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = embedding.dims[1] if len(embedding.dims) > 1 else 1
+    for attribute, actual, what, mismatch in (
+        ("num_hidden_layers", blocks, "block(s) with tensors", lambda v, a: v > a),
+        ("hidden_size", embedding.dims[0], "values per row of token_embd.weight", int.__ne__),
+        ("vocab_size", rows, "rows of token_embd.weight", int.__ne__),
+    ):
+        value = getattr(text, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool) and mismatch(value, actual):
+            raise GraftError(f"{header.path}: its metadata makes {attribute} {value}, but the file has {actual} "
+                             f"{what}; the metadata does not describe its tensors")
+    try:
+        with _quiet_transformers(), torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - whatever stops transformers building the model the metadata describes
+        raise GraftError(f"{header.path}: transformers cannot build the model its metadata describes "
+                         f"({_first_line(error)})") from error
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    stored = sum(tensor.elements for tensor in layout.tensors)
+    if parameters > stored + embedding.elements:
+        raise GraftError(
+            f"{header.path}: its metadata describes a model of {parameters:,} parameters, but its tensors hold "
+            f"{stored:,} values ({layout.size:,} bytes of {', '.join(sorted(header.tensor_types))}); the metadata "
+            "does not describe its tensors"
+        )
+
+
 def import_gguf(
     file: str | os.PathLike,
     output: str | os.PathLike,
@@ -178,17 +215,18 @@ def import_gguf(
         raise GraftError(f"{out} exists and is not a folder; remove it or choose another output")
     if out.resolve() in header.path.resolve().parents:
         raise GraftError(f"{out} holds the input {header.path}; choose an output folder outside it")
-    causal_lm_config(header)
+    config = causal_lm_config(header)
     check_dequantizable(header)
-    model = _load_model(header, DTYPES[dtype])
-    tokenizer = _load_tokenizer(header) if header.has_tokenizer else None
-    try:
-        with staged_folder(out) as staging:
+    check_implied_model(header, config)
+    with staged_folder(out, overwrite=overwrite) as staging:  # out locked before the slow dequantization
+        model = _load_model(header, DTYPES[dtype])
+        tokenizer = _load_tokenizer(header) if header.has_tokenizer else None
+        try:
             model.save_pretrained(staging, max_shard_size=max_shard_size)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
-    except OSError as error:
-        raise GraftError(f"cannot write {out}: {_first_line(error)}") from error
+        except OSError as error:
+            raise GraftError(f"cannot write {out}: {_first_line(error)}") from error
     return out
 
 
@@ -198,9 +236,10 @@ def _load_model(header: GgufHeader, dtype: torch.dtype):
     unpacked = {"quantization_config": GGUF_CONFIG(dequantize=True)} if GGUF_CONFIG is not None else {}
     path = header.path
     try:
-        with _quiet_transformers():
+        with _quiet_transformers(), _gguf_alone(path) as folder:
             model, info = AutoModelForCausalLM.from_pretrained(
-                path.parent, gguf_file=path.name, dtype=dtype, output_loading_info=True, **unpacked
+                folder, gguf_file=path.name, dtype=dtype, output_loading_info=True, trust_remote_code=False,
+                **unpacked,
             )
     except (ValueError, NotImplementedError, KeyError, RuntimeError, OSError) as error:
         raise GraftError(f"cannot import {path}: {_first_line(error)}") from error
@@ -220,27 +259,35 @@ def _load_tokenizer(header: GgufHeader) -> Any:
     """The GGUF's tokenizer as transformers reads it; GraftError naming the file if it cannot."""
     path = header.path
     try:
-        with _quiet_transformers():
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with _quiet_transformers(), _gguf_alone(path) as folder:
+            return AutoTokenizer.from_pretrained(folder, gguf_file=path.name, trust_remote_code=False)
     except (ValueError, KeyError, OSError, NotImplementedError) as error:
         raise GraftError(f"cannot import the tokenizer of {path}: {_first_line(error)}") from error
 
 
 @contextlib.contextmanager
-def staged_folder(out: Path) -> Iterator[Path]:
-    """A hidden sibling of ``out`` to write into; it replaces ``out`` only if the block succeeds."""
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix=f".{out.name}.import-", dir=out.parent))
-    staging = root / out.name
-    staging.mkdir()
-    try:
-        yield staging
-        if out.exists():  # --overwrite: move the old folder aside first, so out is never half-written
-            os.replace(out, root / "replaced")
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def staged_folder(out: Path, overwrite: bool = True) -> Iterator[Path]:
+    """A hidden sibling of ``out`` to write into; it replaces ``out`` whole only if the block succeeds.
+
+    ``out`` is locked meanwhile; an existing one is replaced only with ``overwrite``, and a
+    symbolic link at ``out`` is refused, never followed (:mod:`graftmerge.formats.output_folder`).
+    """
+    with OutputFolder(out, replace=OVERWRITE if overwrite else NEW, hint="pass --overwrite to replace it") as output:
+        yield output.staging
+
+
+@contextlib.contextmanager
+def _gguf_alone(path: Path) -> Iterator[str]:
+    """A private folder holding only a link to the GGUF (same name), for transformers to load from.
+
+    Given a folder and ``gguf_file``, transformers also reads the folder's own
+    ``tokenizer_config.json`` and ``generation_config.json``: files of whatever else lies
+    beside the GGUF (another model, a Hub repo naming remote code). The import reads the
+    GGUF alone.
+    """
+    with tempfile.TemporaryDirectory(prefix="graftmerge-gguf-") as folder:
+        (Path(folder) / path.name).symlink_to(path.resolve())
+        yield folder
 
 
 @contextlib.contextmanager

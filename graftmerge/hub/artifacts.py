@@ -14,7 +14,8 @@ every file already fetched and lets ``org/name@rev`` resolve offline later. The 
 is read first (over the network, into memory) to decide which files to fetch; it is
 written into the cache only after them, so a snapshot with a manifest is complete.
 ``-o DIR`` then assembles DIR from the cache (hard links when possible) in a hidden
-sibling folder, manifest last, renamed into place.
+sibling folder, manifest last, renamed into place: DIR is locked from the start of the
+pull and replaced whole (:mod:`graftmerge.formats.output_folder`).
 
 What is pulled is a stranger's (:mod:`graftmerge.hub.untrusted`): every file name a
 manifest or index gives is checked before it becomes a path, every file read from the
@@ -22,6 +23,10 @@ cache must be the snapshot's own (a link into the same repo's ``blobs/``, never 
 planted to lead elsewhere), and ``*config.json`` files lose ``auto_map`` and
 ``custom_pipelines`` (in the snapshot and in ``-o``), so no pulled folder can make
 transformers import code, even under ``--trust-remote-code``. Push strips them too.
+The manifest's fields are checked before any data file is fetched
+(``ArtifactKind.check_schema``), and what was fetched is validated as a merge would open
+it, plus every value once (``ArtifactKind.validate_folder``), before ``-o`` is published
+or a snapshot this pull completed is kept complete.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,6 +68,8 @@ from tqdm.auto import tqdm
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.file_hash import file_sha256
+from graftmerge.formats.json_file import parse_json_bytes
+from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
 from graftmerge.hub.references import (
     HubReference,
     check_revision,
@@ -71,6 +77,7 @@ from graftmerge.hub.references import (
     parse_hub_reference,
 )
 from graftmerge.hub.untrusted import (
+    MAX_JSON_BYTES,
     cached_file,
     check_cache_folder,
     check_file_name,
@@ -110,6 +117,10 @@ class ArtifactKind:
     list_files: Callable[[Mapping[str, Any], Callable[[str], bytes]], list[str]] = files_map_values
     open_folder: Callable[[Path], Mapping[str, Any]] | None = None  # full local check; default: generic
     select_layers: Callable[[Mapping[str, Any], Sequence[str]], dict[str, Any]] | None = None
+    # Before any data file is fetched: the manifest's fields (GraftError naming ``where``).
+    check_schema: Callable[[Mapping[str, Any], str], None] | None = None
+    # After the pull: the folder checked as a merge opens it, plus the values a pull can afford.
+    validate_folder: Callable[[Path], None] | None = None
 
     def data_files(self, manifest: Mapping[str, Any], read: Callable[[str], bytes], where: str) -> list[str]:
         """The manifest's data files, each checked to be a safe name inside the folder (manifests come from the Hub)."""
@@ -151,10 +162,8 @@ class ArtifactKind:
 
 
 def _parse_json(raw: bytes, where: str) -> Any:
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
-        raise GraftError(f"{where}: corrupt manifest ({str(error).splitlines()[0]})") from error
+    """A manifest's JSON: no repeated key, nesting capped (one line, never a RecursionError)."""
+    return parse_json_bytes(raw, where, "manifest")
 
 
 # -- hashing: what the Hub reports per file -----------------------------------------
@@ -412,6 +421,9 @@ def _remote_manifest(
     except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled):
         return None
     commit = metadata.commit_hash
+    if metadata.size is not None and metadata.size > MAX_JSON_BYTES:  # refused before it is read into memory
+        raise GraftError(f"{reference}: {kind.manifest_name} is {metadata.size} bytes, too large for a manifest "
+                         "(corrupt or hostile)")
     if commit is None or not COMMIT_SHA.fullmatch(commit):
         raise GraftError(f"{reference}: the Hub did not say which commit it serves; check HF_ENDPOINT")
     storage = _storage_folder(cache_dir, reference.repo_id)
@@ -446,6 +458,20 @@ def pull_artifact(
     if isinstance(reference, str):
         reference = parse_hub_reference(reference)
     _check_pull(kind, output, layers, overwrite)
+    if output is None:
+        return _pull(kind, reference, None, layers, token, cache_dir, progress)
+    with _output_folder(output, overwrite) as staged:  # locked before anything is fetched
+        return _pull(kind, reference, staged, layers, token, cache_dir, progress)
+
+
+def _output_folder(output: str | os.PathLike, overwrite: bool) -> OutputFolder:
+    """``-o`` as an output folder: replaced whole, only with ``--overwrite``."""
+    return OutputFolder(output, replace=OVERWRITE if overwrite else NEW, hint="pass --overwrite to replace it")
+
+
+def _pull(kind: ArtifactKind, reference: HubReference, staged: OutputFolder | None, layers: Sequence[str],
+          token: str | None, cache_dir: str | os.PathLike | None, progress: bool) -> PullResult:
+    """``pull_artifact`` once ``-o`` (``staged``, if any) is locked: fetch, then fill and publish it."""
     cache = _cache_dir(cache_dir)
     with hub_errors(kind, reference, "pull"):
         online, commit, raw = _pull_manifest(kind, reference, cache, token)
@@ -456,17 +482,41 @@ def pull_artifact(
             manifest["pulled"] = {"from": f"{reference.repo_id}@{commit}", "layers": list(layers)}
         fetch = _SnapshotFiles(kind, reference, cache, commit, online, token)
         files = kind.data_files(manifest, lambda name: read_json_bytes(fetch(name), f"{where}/{name}"), where)
+        if kind.check_schema is not None:
+            kind.check_schema(manifest, f"{where}/{kind.manifest_name}")  # before anything large is fetched
         for name in tqdm(files, desc=f"pull {kind.name}", unit="file", disable=not progress or not files):
             fetch(name)
         stripped = fetch.strip_remote_code(files)
+        completed_now = online and not os.path.lexists(fetch.snapshot / kind.manifest_name)
         if online:
             fetch.complete()
+        if staged is None and completed_now:
+            _validate_pulled(kind, fetch.snapshot, where, fetch.snapshot / kind.manifest_name)
         sources = {name: fetch.checked(name) for name in [*files, kind.manifest_name]}
     folder = fetch.snapshot
-    if output is not None:
+    if staged is not None:
         data = raw if not layers else json.dumps(manifest, indent=1, sort_keys=True).encode()
-        folder = assemble_folder(Path(output), sources, files, kind.manifest_name, data, overwrite=overwrite)
+        fill_folder(staged.staging, sources, files, kind.manifest_name, data)
+        _validate_pulled(kind, staged.staging, where)  # a failure leaves -o as it was
+        folder = staged.publish()
     return PullResult(folder=folder, commit=commit, files=files, fetched=fetch.fetched, stripped=stripped)
+
+
+def _validate_pulled(kind: ArtifactKind, folder: Path, where: str, undo: Path | None = None) -> None:
+    """``kind.validate_folder`` on what was pulled, messages naming ``where``; on failure ``undo`` is removed.
+
+    ``undo``: the snapshot's manifest, when this pull completed the snapshot: removing it
+    leaves the cached copy incomplete, so nothing resolves to it offline.
+    """
+    if kind.validate_folder is None:
+        return
+    try:
+        kind.validate_folder(folder)
+    except GraftError as error:
+        if undo is not None and os.path.lexists(undo):
+            os.unlink(undo)
+        text = str(error).replace(str(folder), where)
+        raise GraftError(f"pull refused: {text if where in text else f'{where}: {text}'}") from error
 
 
 def _select_layers(kind: ArtifactKind, manifest: dict[str, Any], layers: Sequence[str], where: str) -> dict[str, Any]:
@@ -583,39 +633,28 @@ class _SnapshotFiles:
 
 def assemble_folder(output: Path, sources: Mapping[str, Path], files: Sequence[str], manifest_name: str,
                     manifest: bytes, *, overwrite: bool = False) -> Path:
-    """Build ``output`` from cached files in a hidden sibling, manifest last, then rename it in.
+    """Build ``output`` from cached files in a hidden sibling, manifest last, then rename it in (whole).
 
     ``sources``: name → the real file to hard-link (or copy), already checked to be the
     snapshot's own; nothing is followed here.
     """
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
-    try:
-        for name in files:
-            source, target = sources[name], staging / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(source, target, follow_symlinks=False)  # no second copy of a large blob
-            except OSError:
-                shutil.copyfile(source, target, follow_symlinks=False)
-        (staging / (manifest_name + ".tmp")).write_bytes(manifest)
-        os.replace(staging / (manifest_name + ".tmp"), staging / manifest_name)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp made it private
-        if os.path.lexists(output):
-            if not overwrite:
-                raise GraftError(f"{output} already exists; pass --overwrite to replace it")
-            old = output.with_name(f".{output.name}.old-{os.getpid()}")
-            os.replace(output, old)
-            os.replace(staging, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return output
+    with _output_folder(output, overwrite) as staged:
+        fill_folder(staged.staging, sources, files, manifest_name, manifest)
+    return Path(output)
+
+
+def fill_folder(staging: Path, sources: Mapping[str, Path], files: Sequence[str], manifest_name: str,
+                manifest: bytes) -> None:
+    """Hard-link (or copy) ``files`` from ``sources`` into ``staging``, then write the manifest last."""
+    for name in files:
+        source, target = sources[name], staging / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source, target, follow_symlinks=False)  # no second copy of a large blob
+        except OSError:
+            shutil.copyfile(source, target, follow_symlinks=False)
+    (staging / (manifest_name + ".tmp")).write_bytes(manifest)
+    os.replace(staging / (manifest_name + ".tmp"), staging / manifest_name)
 
 
 # -- resolution for configs -------------------------------------------------------------

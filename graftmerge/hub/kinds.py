@@ -17,8 +17,11 @@ from typing import Any
 from huggingface_hub.errors import EntryNotFoundError, RemoteEntryNotFoundError
 
 from graftmerge.errors import GraftError
+from graftmerge.formats.delta_folder import FORMAT_VERSION as DELTA_VERSION
 from graftmerge.formats.delta_folder import INDEX_NAME, open_delta
+from graftmerge.formats.fisher_cache import FORMAT_VERSION as FISHER_VERSION
 from graftmerge.formats.fisher_cache import open_fisher_cache
+from graftmerge.formats.manifest_schema import check_delta_manifest, check_fisher_manifest
 from graftmerge.hub.artifacts import ArtifactKind
 from graftmerge.hub.cards import render_delta_card, render_fisher_card
 
@@ -29,6 +32,25 @@ DELTA_MANIFEST = "delta_manifest.json"
 def _open_fisher_folder(folder: Path) -> Mapping[str, Any]:
     """Every check a merge makes on open (format, version, shards present)."""
     return open_fisher_cache(folder).manifest
+
+
+def _check_version(manifest: Mapping[str, Any], version: int, where: str) -> None:
+    """The manifest's ``format_version`` is the one this graftmerge reads."""
+    found = manifest.get("format_version")
+    if found != version or isinstance(found, bool):
+        raise GraftError(f"{where}: format version {found} is not supported (this graftmerge reads v{version}; "
+                         "upgrade graftmerge)")
+
+
+def _check_fisher_schema(manifest: Mapping[str, Any], where: str) -> None:
+    """A downloaded Fisher manifest's fields, before its shards are fetched."""
+    _check_version(manifest, FISHER_VERSION, where)
+    check_fisher_manifest(dict(manifest), f"Fisher cache {where}")
+
+
+def _validate_fisher_folder(folder: Path) -> None:
+    """A pulled cache opened as a merge opens it (manifest, headers, dtypes, shapes), then every value read once."""
+    open_fisher_cache(folder).check_all_values()
 
 
 def select_fisher_layers(manifest: Mapping[str, Any], patterns: Sequence[str]) -> dict[str, Any]:
@@ -75,6 +97,8 @@ FISHER = ArtifactKind(
     render_card=render_fisher_card,
     open_folder=_open_fisher_folder,
     select_layers=select_fisher_layers,
+    check_schema=_check_fisher_schema,
+    validate_folder=_validate_fisher_folder,
 )
 
 def _delta_files(manifest: Mapping[str, Any], read: Callable[[str], bytes]) -> list[str]:
@@ -91,6 +115,17 @@ def _delta_files(manifest: Mapping[str, Any], read: Callable[[str], bytes]) -> l
     return sorted(files)
 
 
+def _check_delta_schema(manifest: Mapping[str, Any], where: str) -> None:
+    """A downloaded delta manifest's fields, before its shards are fetched."""
+    _check_version(manifest, DELTA_VERSION, where)
+    check_delta_manifest(dict(manifest), where)
+
+
+def _validate_delta_folder(folder: Path) -> None:
+    """A pulled delta opened as a merge opens it (manifest, index, headers, dtypes, shapes), every tensor finite."""
+    open_delta(folder).checkpoint.check_all_values()
+
+
 def _open_delta_folder(folder: Path) -> Mapping[str, Any]:
     """Every check a merge makes on open (format, version, files match the manifest)."""
     return open_delta(folder).manifest
@@ -104,4 +139,6 @@ DELTA = ArtifactKind(
     render_card=render_delta_card,
     list_files=_delta_files,
     open_folder=_open_delta_folder,
+    check_schema=_check_delta_schema,
+    validate_folder=_validate_delta_folder,
 )

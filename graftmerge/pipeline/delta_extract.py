@@ -2,8 +2,8 @@
 
 Streams one tensor at a time (at most one output shard is held in memory) and
 writes into a hidden staging folder next to the output, manifest last, then
-renames it into place: an interrupted extract leaves no folder that looks like
-a delta.
+renames it into place (:mod:`graftmerge.formats.output_folder`, under a lock): an
+interrupted extract leaves no folder that looks like a delta.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -30,6 +28,8 @@ from graftmerge.formats.delta_folder import (
     MANIFEST_NAME,
     source_record,
 )
+from graftmerge.formats.output_folder import NEW, OutputFolder
+from graftmerge.hub.untrusted import read_json_bytes, without_remote_code
 from graftmerge.math.donor_delta import donor_delta
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -84,8 +84,8 @@ def extract_delta(
     manifest = _manifest(donor_checkpoint, ft_checkpoint, weight, dtype)
     itemsize = SAFETENSORS_DTYPES["F32" if dtype == "float32" else "BF16"][1]
     shards = plan_shards({n: i.numel * itemsize for n, i in donor_checkpoint.tensors.items()}, shard_bytes)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    folder = OutputFolder(output, replace=NEW, hint="choose a new folder (extract never overwrites)").open()
+    staging = folder.staging
     try:
         weight_map, total = _write_shards(donor_checkpoint, ft_checkpoint, shards, staging, weight,
                                           DTYPES[dtype], progress)
@@ -93,15 +93,13 @@ def extract_delta(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
         )
         if (donor_checkpoint.folder / "config.json").exists():
-            shutil.copyfile(donor_checkpoint.folder / "config.json", staging / "config.json")
+            _copy_config(donor_checkpoint.folder / "config.json", staging / "config.json")
         (staging / (MANIFEST_NAME + ".tmp")).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         os.replace(staging / (MANIFEST_NAME + ".tmp"), staging / MANIFEST_NAME)
         _make_shareable(staging)
-        if output.exists():
-            raise GraftError(f"output {output} appeared while extracting; nothing was written to it")
-        os.replace(staging, output)
+        folder.publish()
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        folder.close()
     return output
 
 
@@ -161,13 +159,23 @@ def _write_shards(donor: Checkpoint, donor_ft: Checkpoint, shards: list[list[str
     return weight_map, total
 
 
+def _copy_config(source: Path, target: Path) -> None:
+    """The donor's config.json without the fields that name code to run (``auto_map``, ``custom_pipelines``).
+
+    A delta is for sharing, and mergekit loads its config like any input's: it must never
+    make ``--trust-remote-code`` run code. (It carries no code files anyway.)
+    """
+    where = f"donor config {source}"
+    target.write_bytes(without_remote_code(read_json_bytes(source, where), where)[0])
+
+
 def _make_shareable(staging: Path) -> None:
     """Give the staged files and folder the umask's usual permissions: a delta is for sharing."""
     umask = os.umask(0)
     os.umask(umask)
     for file in staging.iterdir():  # safetensors writes shards owner-only; a delta is for sharing
         os.chmod(file, 0o666 & ~umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp made it private
+    os.chmod(staging, 0o777 & ~umask)
 
 
 def _delta_tensor(donor: Checkpoint, donor_ft: Checkpoint, name: str, weight: float) -> torch.Tensor:

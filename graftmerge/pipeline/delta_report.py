@@ -20,7 +20,9 @@ import torch
 from tqdm import tqdm
 
 from graftmerge.errors import GraftError
+from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.delta_folder import DeltaFolder, open_delta
+from graftmerge.formats.lora_adapter import LoraDelta, is_lora_adapter, open_lora_delta
 from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache
 from graftmerge.math.delta_stats import block_of, kfac_diagonal, l2_norm, natural_key, weighted_mass
 from graftmerge.math.global_threshold import ThresholdSearch
@@ -127,11 +129,16 @@ def compute_stats(
     fisher_path: str | os.PathLike | None = None,
     top: float = 0.01,
     progress: bool = True,
+    base: str | os.PathLike | None = None,
 ) -> DeltaStats:
-    """Per-tensor L2 norms of a delta folder, and with a Fisher cache its sensitivity shares."""
+    """Per-tensor L2 norms of a delta folder (or LoRA adapter), and with a Fisher cache its sensitivity shares.
+
+    A PEFT LoRA folder needs ``base``, the model it was trained on: the tensor names and
+    shapes its modules write into, and the donor of any whole tensor it saves.
+    """
     if not 0 < top <= 1:
         raise GraftError(f"--top must be a fraction in (0, 1], got {top}")
-    delta: DeltaFolder = open_delta(delta_path)
+    delta: DeltaFolder | LoraDelta = open_delta_or_adapter(delta_path, base)
     names = sorted(delta.checkpoint.tensors, key=natural_key)
     cache = sources = threshold = None
     if fisher_path is not None:
@@ -155,6 +162,17 @@ def compute_stats(
             row = Row(row.name, row.numel, row.l2, source, mass.total, mass.in_tensor_top, mass.in_global_top)
         stats.tensors.append(row)
     return stats
+
+
+def open_delta_or_adapter(path: str | os.PathLike, base: str | os.PathLike | None) -> DeltaFolder | LoraDelta:
+    """A delta folder, or a LoRA adapter bound to ``base`` (its Δ, keyed by the base's tensor names)."""
+    if not is_lora_adapter(path):
+        return open_delta(path)
+    if base is None:
+        raise GraftError(f"{path} is a LoRA adapter, which names modules, not tensors: pass --base MODEL, the model "
+                         "it was trained on (tensor names, shapes, and the donor of any tensor it saves whole)")
+    model = Checkpoint(base, label=f"base {base}")
+    return open_lora_delta(path, model, model, base, label=f"adapter {path}")
 
 
 def _global_threshold(cache: FisherCache, sources: dict[str, str | None], top: float, progress: bool):

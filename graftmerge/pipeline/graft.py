@@ -3,16 +3,14 @@
 ``graft_tensor`` is what the mergekit kernel calls for every weight.
 ``run_graft_merge`` wraps mergekit's ``run_merge``: it validates the whole
 config and runs the global threshold pass before mergekit loads a tensor, and
-stages the output so a failed merge leaves nothing in OUT.
+builds OUT beside itself under a lock, replacing it whole only when the merge succeeds
+(:mod:`graftmerge.formats.output_folder`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -20,6 +18,8 @@ import click
 import torch
 
 from graftmerge.errors import GraftError, cli_error
+from graftmerge.formats.delta_folder import check_finite_delta
+from graftmerge.formats.output_folder import MERGE, OutputFolder, stage_reached
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.projection import remove_masked, score_delta
@@ -30,6 +30,7 @@ from graftmerge.pipeline.graft_plan import (
     open_inputs,
     plan_from_merge_config,
 )
+from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
 from graftmerge.pipeline.threshold_pass import compute_global_threshold, global_threshold
 
 # Plans validated by run_graft_merge, by everything but dtype: the kernel sees
@@ -87,6 +88,9 @@ def graft_opened(
     deltas: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """``graft_tensor`` for inputs already opened (from files or from memory)."""
+    stage_reached("merging")
+    for source, tensor in zip(inputs.deltas, deltas):  # mergekit read them: check them here
+        check_finite_delta(tensor, source.tensors[name].file, name)
     delta = donor_delta(donor, fine_tunes, inputs.plan.lambdas, deltas, inputs.plan.delta_lambdas)
     if inputs.plan.masked and inputs.fisher_kind(name):
         delta = _masked(inputs, name, delta)
@@ -141,38 +145,24 @@ def graft_in_memory(inputs: GraftInputs, device: torch.device | str = "cpu") -> 
             )
 
 
-@contextlib.contextmanager
-def staged_output(out_path: str | os.PathLike) -> Iterator[str]:
-    """Yield a hidden folder to write into; move its files to ``out_path`` only on success."""
-    out = Path(out_path).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging_root = Path(tempfile.mkdtemp(prefix=".graft-partial-", dir=out.parent))
-    staging = staging_root / out.name  # same basename: mergekit names the model card after it
-    try:
-        yield str(staging)
-        if not out.exists():
-            os.replace(staging, out)
-        else:
-            for item in staging.iterdir():
-                target = out / item.name
-                if target.is_dir() and not target.is_symlink():
-                    shutil.rmtree(target)
-                os.replace(item, target)
-    finally:
-        shutil.rmtree(staging_root, ignore_errors=True)
-
-
 def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, config_source=None):
-    """mergekit's ``run_merge`` for a graft config: validate, pre-pass, staged output."""
+    """mergekit's ``run_merge`` for a graft config: lock OUT, validate, pre-pass, then OUT replaced whole.
+
+    OUT may be replaced only when it is empty or holds nothing but files a merge writes.
+    """
     try:
-        plan = plan_from_merge_config(merge_config)
-        inputs = open_inputs(plan)
-        _VALIDATED_PLANS[_without_dtype(plan)] = plan
-        with staged_output(out_path) as staging:
+        with OutputFolder(out_path, replace=MERGE) as output:
+            plan = plan_from_merge_config(merge_config)
+            inputs = open_inputs(plan)
+            _VALIDATED_PLANS[_without_dtype(plan)] = plan
             try:
                 prepare(inputs, device=options.device or "cpu", progress=not options.quiet,
-                        scratch=Path(staging).parent / "kfac-rotations")
-                return run_merge(merge_config, staging, options=options, config_source=config_source)
+                        scratch=output.scratch / "kfac-rotations")
+                # staging has OUT's basename: mergekit names the model card after it
+                with lora_inputs_in_mergekit(merge_config, inputs) as config:  # LoRA inputs read unmerged
+                    if config is not merge_config and config_source is None:
+                        config_source = merge_config.to_yaml()  # the card shows the config as written
+                    return run_merge(config, str(output.staging), options=options, config_source=config_source)
             finally:
                 inputs.memo.pop("rotations", None)  # its files go with the staging folder
     except GraftError as error:

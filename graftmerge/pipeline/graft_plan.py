@@ -13,6 +13,7 @@ import os
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 import yaml
@@ -26,15 +27,18 @@ from graftmerge.formats.checkpoint import Checkpoint, check_same_tensors
 from graftmerge.formats.delta_folder import MANIFEST_NAME as DELTA_MANIFEST
 from graftmerge.formats.delta_folder import DeltaFolder, open_delta
 from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache, side_rank
+from graftmerge.formats.lora_adapter import is_lora_adapter, open_lora_delta, open_lora_fine_tune
 from graftmerge.hub.artifacts import resolve_artifact
 from graftmerge.hub.kinds import FISHER
+from graftmerge.hub.untrusted import is_config_file, read_json_bytes, without_remote_code
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.projection import TensorFisher
 
 ROLES = ("donor", "donor_ft")
 CONFIG_ROLES = (*ROLES, "delta")  # delta: a folder from `graftmerge delta extract`
 MODEL_PARAMETERS = ("role", "weight")
-GLOBAL_PARAMETERS = ("lambda", "rho", "fisher", "rho_scope", "mask")
+TRUST_PARAMETER = "trust_remote_code"  # the inputs whose own code (config auto_map) may run
+GLOBAL_PARAMETERS = ("lambda", "rho", "fisher", "rho_scope", "mask", TRUST_PARAMETER)
 RHO_SCOPES = ("global", "tensor")
 MASK_KINDS = ("auto", "diagonal", "kfac")
 BLOCK_ELEMENTS = 1 << 24  # the pre-pass reads tensors larger than this in row blocks
@@ -42,10 +46,16 @@ BLOCK_ELEMENTS = 1 << 24  # the pre-pass reads tensors larger than this in row b
 
 @dataclass(frozen=True)
 class FineTune:
-    """One weighted model term of a graft: a donor_ft folder, or a delta folder (``role: delta``)."""
+    """One weighted model term of a graft: a donor_ft folder, or a delta folder (``role: delta``).
+
+    ``adapter``: a donor_ft written ``BASE+ADAPTER`` (mergekit's LoRA reference): ``path`` is
+    the base, θft is the base with the PEFT LoRA folder ``adapter`` merged in. A ``role: delta``
+    path may itself be a LoRA folder (Δ = the adapter's B·A·scaling).
+    """
 
     path: str
     weight: float = 1.0
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -141,8 +151,8 @@ class GraftInputs:
         plan.check()
         post = Checkpoint(plan.post, label=f"post model {plan.post}")
         donor = Checkpoint(plan.donor, label=f"donor {plan.donor}") if plan.donor is not None else None
-        fine_tunes = [Checkpoint(ft.path, label=f"donor_ft {ft.path}") for ft in plan.fine_tunes]
-        deltas = [open_delta(d.path, label=f"delta {d.path}") for d in plan.deltas]
+        fine_tunes = [_open_fine_tune(ft) for ft in plan.fine_tunes]
+        deltas = [_open_delta_input(d.path, post, donor, plan.post) for d in plan.deltas]
         return cls.from_sources(plan, post, donor, fine_tunes, deltas=deltas)
 
     @classmethod
@@ -246,8 +256,27 @@ def open_inputs(plan: GraftPlan) -> GraftInputs:
     return GraftInputs.open(plan)
 
 
+def _open_fine_tune(fine_tune: FineTune):
+    """A donor_ft: its folder, or (``BASE+ADAPTER``) the base with the LoRA adapter merged in, as PEFT merges it."""
+    if fine_tune.adapter is None:
+        return Checkpoint(fine_tune.path, label=f"donor_ft {fine_tune.path}")
+    base = Checkpoint(fine_tune.path, label=f"base {fine_tune.path} of donor_ft {fine_tune.path}+{fine_tune.adapter}")
+    return open_lora_fine_tune(fine_tune.adapter, base, fine_tune.path, f"donor_ft {fine_tune.path}+{fine_tune.adapter}")
+
+
+def _open_delta_input(path: str, post: Checkpoint, donor: Checkpoint | None, post_folder: str):
+    """A ``role: delta`` input: a delta folder, or a PEFT LoRA folder bound to the post model's tensors."""
+    if is_lora_adapter(path):
+        return open_lora_delta(path, post, donor, post_folder, label=f"delta {path} (a LoRA adapter)")
+    return open_delta(path, label=f"delta {path}")
+
+
 def _check_delta_donors(deltas: list[DeltaFolder], donor) -> None:
-    """Deltas must come from the config's donor (when it has one), and all from one donor."""
+    """Deltas must come from the config's donor (when it has one), and all from one donor.
+
+    LoRA adapters record no donor fingerprint: they are checked against the post model's shapes instead.
+    """
+    deltas = [d for d in deltas if isinstance(d, DeltaFolder)]
     if isinstance(donor, Checkpoint):
         for delta in deltas:
             delta.check_donor(donor)
@@ -327,6 +356,78 @@ def _number(value, label: str) -> float:
         raise GraftError(f"graft parameter {label} must be a number, got {value!r}") from None
 
 
+def remote_code_fields(folder: str | os.PathLike) -> list[str]:
+    """``"config.json: auto_map"``... for each config file at the top of ``folder`` that names code to import."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = Path(folder, name)
+        if not is_config_file(name) or not path.is_file():
+            continue
+        try:
+            _, removed = without_remote_code(read_json_bytes(path, str(path)), str(path))
+        except GraftError:
+            continue  # not a JSON object: transformers cannot read code names from it either
+        found += [f"{name}: {field}" for field in removed]
+    return found
+
+
+def _config_inputs(config) -> dict[str, tuple[str, str]]:
+    """Each input as written in the config -> (its folder, what it is), base_model first."""
+    base = config.base_model.model
+    inputs = {str(config.base_model): (resolve_model_folder(base.path, base.revision), "base_model, the post model")}
+    for entry in config.models:
+        role = (entry.parameters or {}).get("role")
+        inputs[str(entry.model)] = (resolve_model_folder(entry.model.model.path, entry.model.model.revision),
+                                    f"role {role}")
+    return inputs
+
+
+def _trusted_inputs(config, inputs: dict[str, tuple[str, str]]) -> set[str]:
+    """The inputs the graft parameter ``trust_remote_code`` names (by path as written, or the same folder)."""
+    value = dict(config.parameters or {}).get(TRUST_PARAMETER)
+    if value is None:
+        return set()
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(name, str) and name for name in names):
+        raise GraftError(f"graft parameter {TRUST_PARAMETER} lists the inputs whose own code may run, by their path "
+                         f"in this config (e.g. `{TRUST_PARAMETER}: [./post]`); got {value!r}")
+    trusted = set()
+    for name in names:
+        same = [label for label, (folder, _) in inputs.items() if name == label
+                or (os.path.isdir(name) and os.path.realpath(name) == os.path.realpath(folder))]
+        if not same:
+            raise GraftError(f"graft parameter {TRUST_PARAMETER} names {name!r}, which is not an input of this config "
+                             f"(its inputs: {', '.join(inputs)})")
+        trusted.update(same)
+    return trusted
+
+
+def check_trusted_code(config, plan: GraftPlan) -> GraftPlan:
+    """``plan``, once no input names code to run (``auto_map``, ``custom_pipelines``) unless the config trusts it.
+
+    mergekit's ``--trust-remote-code`` is one switch for every input: passed for your own
+    post model, it would also run whatever code a donor or a delta (perhaps from the Hub)
+    names. So a graft config lists the inputs whose code may run in the graft parameter
+    ``trust_remote_code``; any other input whose config files name code is refused here,
+    before mergekit reads a config.
+    """
+    inputs = _config_inputs(config)
+    trusted = _trusted_inputs(config, inputs)
+    for label, (folder, what) in inputs.items():
+        fields = remote_code_fields(folder)
+        if fields and label not in trusted:
+            raise GraftError(
+                f"model {label} ({what}): {', '.join(fields[:3])} names code for transformers to import, which "
+                f"--trust-remote-code would run; add `{TRUST_PARAMETER}: [{label}]` under the graft's `parameters:` "
+                "if you trust that model's code, or else remove the field from its config"
+            )
+    return plan
+
+
 def plan_from_merge_config(config) -> GraftPlan:
     """Validate a mergekit ``MergeConfiguration`` with ``merge_method: graft``; no tensor IO."""
     if config.slices or config.modules or not config.models:
@@ -341,8 +442,6 @@ def plan_from_merge_config(config) -> GraftPlan:
     for entry in config.models:
         reference = entry.model
         label = str(reference)
-        if reference.lora is not None:
-            raise GraftError(f"model {label}: LoRA references are not supported by graft; merge the adapter first")
         if label in seen:
             raise GraftError(f"model {label} is listed twice (as {seen[label]} and again); each input appears once")
         model_parameters = dict(entry.parameters or {})
@@ -357,19 +456,16 @@ def plan_from_merge_config(config) -> GraftPlan:
         if role not in CONFIG_ROLES:
             raise GraftError(f"model {label} has unknown role {role!r}; roles are {', '.join(CONFIG_ROLES)}")
         seen[label] = f"role {role}"
+        _check_lora_role(reference, label, role)
         folder = resolve_model_folder(reference.model.path, reference.model.revision)
         if role == "donor":
             if "weight" in model_parameters:
                 raise GraftError(f"model {label}: `weight` belongs on donor_ft and delta inputs, not on the donor")
             donors.append(folder)
         else:
-            weight = _number(model_parameters.get("weight", 1.0), f"weight of {label}")
-            if role == "delta" and not os.path.exists(os.path.join(folder, DELTA_MANIFEST)):
-                raise GraftError(
-                    f"model {label} has role delta, but {folder} has no {DELTA_MANIFEST}: make a delta with "
-                    "`graftmerge delta extract DONOR DONOR_FT -o DELTA`, or give this model role donor_ft"
-                )
-            (deltas if role == "delta" else fine_tunes).append(FineTune(folder, weight))
+            (deltas if role == "delta" else fine_tunes).append(_weighted_input(reference, label, role, folder,
+                                                                               model_parameters))
+    donors = _with_implied_donor(donors, fine_tunes, config.base_model.model)
     check_role_counts(len(donors), len(fine_tunes), deltas=len(deltas))
     fisher = parameters.get("fisher")
     fisher = None if fisher is None else str(_scalar(fisher, "fisher"))
@@ -386,7 +482,48 @@ def plan_from_merge_config(config) -> GraftPlan:
         dtype=config.dtype,
     )
     plan.check()
-    return plan
+    return check_trusted_code(config, plan)
+
+
+def _check_lora_role(reference, label: str, role: str) -> None:
+    """mergekit's ``BASE+ADAPTER`` reference is a fine-tune of BASE: role donor_ft only."""
+    if reference.lora is not None and role != "donor_ft":
+        raise GraftError(f"model {label}: a LoRA reference BASE+ADAPTER is a fine-tune of BASE, so its role is "
+                         "donor_ft (or give the adapter folder alone role delta)")
+
+
+def _weighted_input(reference, label: str, role: str, folder: str, model_parameters: dict) -> FineTune:
+    """A donor_ft or delta entry: its folder, weight and (``BASE+ADAPTER``) adapter folder, checked."""
+    weight = _number(model_parameters.get("weight", 1.0), f"weight of {label}")
+    if role == "delta" and not os.path.exists(os.path.join(folder, DELTA_MANIFEST)) and not is_lora_adapter(folder):
+        raise GraftError(
+            f"model {label} has role delta, but {folder} has no {DELTA_MANIFEST}: make a delta with "
+            "`graftmerge delta extract DONOR DONOR_FT -o DELTA`, give a PEFT LoRA folder (adapter_config.json), "
+            "or give this model role donor_ft"
+        )
+    if reference.lora is None:
+        return FineTune(folder, weight)
+    adapter = resolve_model_folder(reference.lora.path, reference.lora.revision)
+    if not is_lora_adapter(adapter):
+        raise GraftError(f"model {label}: the adapter {adapter} has no adapter_config.json (not a PEFT LoRA folder)")
+    return FineTune(folder, weight, adapter=adapter)
+
+
+def _with_implied_donor(donors: list[str], fine_tunes: list[FineTune], post) -> list[str]:
+    """The donors, plus BASE when a ``BASE+ADAPTER`` donor_ft implies it: every such BASE must be the donor."""
+    same = lambda a, b: os.path.realpath(a) == os.path.realpath(b)  # noqa: E731
+    post = resolve_model_folder(post.path, post.revision)
+    for fine_tune in (ft for ft in fine_tunes if ft.adapter is not None):
+        reference = f"{fine_tune.path}+{fine_tune.adapter}"
+        if same(fine_tune.path, post):
+            raise GraftError(f"model {reference}: its base is the post model; to graft an adapter onto the model it "
+                             "was trained on, give the adapter folder alone role delta (no donor needed)")
+        if donors and not same(fine_tune.path, donors[0]):
+            raise GraftError(f"model {reference}: the adapter was trained on {fine_tune.path}, but the donor is "
+                             f"{donors[0]}; Δ = (base + adapter) − donor needs its own base as the donor (or omit "
+                             "the donor: a LoRA reference implies it)")
+        donors = donors or [fine_tune.path]
+    return donors
 
 
 def read_merge_config(config_file: str):

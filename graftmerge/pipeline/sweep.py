@@ -23,12 +23,11 @@ What is shared is only what is provably the same for every grid point:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +46,11 @@ from mergekit.plan import MergePlanner
 from tqdm import tqdm
 
 from graftmerge.errors import GraftError
+from graftmerge.formats.output_folder import EMPTY, OutputFolder
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.pipeline.graft import graft_opened
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan
+from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
 from graftmerge.pipeline.plan import grid_views, score_pass
 
 LOG = logging.getLogger(__name__)
@@ -138,30 +139,23 @@ def check_sweepable(config, points: list[GridPoint], plan: GraftPlan) -> dict[Gr
 
 
 def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out_dir: str, options) -> list[Path]:
-    """Write one model folder per grid point under ``out_dir`` (atomically: all or nothing)."""
+    """Write one model folder per grid point under ``out_dir`` (all or nothing: see ``output_folder``)."""
     plans = check_sweepable(config, points, plan)
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GraftError(f"output {out_dir} already exists and is not an empty folder; choose a new one")
-    masked = [p for p in plans.values() if p.masked]
-    inputs = GraftInputs.open(masked[0] if masked else plans[points[0]])
-    arch_info = get_architecture_info(config, options)
-    if getattr(arch_info, "post_fill_parameters", False):
-        raise GraftError("sweep does not support architectures whose parameters mergekit fills in after merging")
-    LoaderCache().setup(options=options)
-    device = options.device or "cpu"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging_root = Path(tempfile.mkdtemp(prefix=".graft-sweep-partial-", dir=out.parent))
-    try:
-        staging = staging_root / out.name
-        views = _grid_views(inputs, plans, staging_root / "kfac-rotations", device, progress=not options.quiet)
-        _write_grid(config, source, views, staging, arch_info, options, device)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging_root, ignore_errors=True)
-    return [out / point.folder for point in points]
+    with OutputFolder(out_dir, replace=EMPTY) as output, contextlib.ExitStack() as loras:  # locked before any read
+        masked = [p for p in plans.values() if p.masked]
+        inputs = GraftInputs.open(masked[0] if masked else plans[points[0]])
+        config = loras.enter_context(lora_inputs_in_mergekit(config, inputs))  # LoRA inputs read unmerged
+        arch_info = get_architecture_info(config, options)
+        if getattr(arch_info, "post_fill_parameters", False):
+            raise GraftError("sweep does not support architectures whose parameters mergekit fills in after merging")
+        LoaderCache().setup(options=options)
+        device = options.device or "cpu"
+        views = _grid_views(inputs, plans, output.scratch / "kfac-rotations", device, progress=not options.quiet)
+        _write_grid(config, source, views, output.staging, arch_info, options, device)
+    return [output.out / point.folder for point in points]
 
 
 def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch: Path, device: str,

@@ -9,16 +9,19 @@ the same inputs skips it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from graftmerge import __version__
+from graftmerge.formats.output_folder import stage_reached
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.global_threshold import GlobalThreshold, ThresholdSearch
 from graftmerge.math.projection import score_delta
@@ -26,6 +29,7 @@ from graftmerge.math.selection import masked_count
 from graftmerge.pipeline.graft_plan import GraftInputs
 
 _MEMORY: dict[str, GlobalThreshold] = {}
+NO_CACHE_ENV = "GRAFTMERGE_NO_THRESHOLD_CACHE"
 
 
 def cache_dir() -> Path:
@@ -36,8 +40,33 @@ def cache_dir() -> Path:
     return Path(base) / "graftmerge"
 
 
+def threshold_cache_enabled() -> bool:
+    """False when ``$GRAFTMERGE_NO_THRESHOLD_CACHE`` is set (to anything but ``0`` or empty), e.g. by ``--no-threshold-cache``."""
+    return os.environ.get(NO_CACHE_ENV, "") in ("", "0")
+
+
+@contextlib.contextmanager
+def threshold_cache_disabled(disabled: bool = True) -> Iterator[None]:
+    """Within the block, every threshold is computed afresh (``$GRAFTMERGE_NO_THRESHOLD_CACHE=1``)."""
+    previous = os.environ.get(NO_CACHE_ENV)
+    if disabled:
+        os.environ[NO_CACHE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(NO_CACHE_ENV, None)
+        else:
+            os.environ[NO_CACHE_ENV] = previous
+
+
 def threshold_key(inputs: GraftInputs, device: str) -> str:
-    """Fingerprint of everything the threshold depends on (files by path, size and mtime).
+    """Fingerprint of everything the threshold depends on: plan, device, and each input shard's content stamp.
+
+    A shard's stamp is its path, size and mtime plus a sha256 of its safetensors header
+    and of three 4 KiB windows of every tensor (``Checkpoint.content_stamps``); the
+    Fisher manifest is hashed whole. An in-place edit outside the sampled windows that
+    keeps size and mtime is not seen: ``--no-threshold-cache`` for files edited in place.
 
     Computed once per opened inputs and device (the merge kernel asks per tensor).
     """
@@ -53,10 +82,10 @@ def _threshold_key(inputs: GraftInputs, device: str) -> str:
     payload = {
         "graftmerge": __version__,
         "plan": plan,
-        "donor": inputs.donor.file_stamps() if inputs.donor is not None else None,
-        "fine_tunes": [ft.file_stamps() for ft in inputs.fine_tunes],
-        "deltas": [d.file_stamps() for d in inputs.deltas],
-        "fisher": inputs.fisher.file_stamps(),
+        "donor": inputs.donor.content_stamps() if inputs.donor is not None else None,
+        "fine_tunes": [ft.content_stamps() for ft in inputs.fine_tunes],
+        "deltas": [d.content_stamps() for d in inputs.deltas],
+        "fisher": inputs.fisher.content_stamps(),
         "device": torch.device(device).type,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
@@ -67,8 +96,15 @@ def global_threshold(
 ) -> GlobalThreshold:
     """The global threshold for a plan: from memory, the on-disk cache, or a fresh pass.
 
-    A fresh pass saves each KFAC weight's Δ̃ into ``rotations`` when given.
+    A fresh pass saves each KFAC weight's Δ̃ into ``rotations`` when given. With the
+    cache disabled (``threshold_cache_enabled``), it is computed once for these opened
+    inputs and neither read from nor written to memory or disk.
     """
+    if not threshold_cache_enabled():
+        if ("uncached threshold", device) not in inputs.memo:
+            inputs.memo[("uncached threshold", device)] = compute_global_threshold(
+                inputs, device=device, progress=progress, rotations=rotations)
+        return inputs.memo[("uncached threshold", device)]
     key = threshold_key(inputs, device)
     if key in _MEMORY:
         return _MEMORY[key]
@@ -108,6 +144,7 @@ def compute_global_threshold(
             yield scored.scores
 
     for name in tqdm(names, desc="graft threshold: scoring", disable=not progress, unit="tensor"):
+        stage_reached("scoring")
         for scores in score_blocks(name, keep=True):
             search.add_coarse(name, scores)
     rescore = search.fine_pass_names()  # empty unless the kept scores overflowed spill_limit

@@ -64,7 +64,7 @@ def fact_records(facts: Sequence[tuple[str, str]] = NEW_FACTS) -> list[dict]:
 def _load(folder: Path):
     model = load_causal_lm(folder, dtype="float32", progress=False)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise GraftError(f"{folder} has no usable tokenizer ({error})") from error
     return model, tokenizer

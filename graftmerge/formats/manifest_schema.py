@@ -1,0 +1,196 @@
+"""The manifests of Fisher caches and delta folders, checked field by field before use.
+
+A manifest may come from a stranger (the Hub) or be damaged: every field a reader
+relies on is checked here for presence, type and allowed values, and every tensor
+key an entry names must be filed in a shard, so a bad manifest gives one line
+naming the file and the field instead of a KeyError or TypeError mid-merge. The
+callers check ``format`` and ``format_version`` first (their messages say to
+upgrade), then the tensors themselves against their shards' headers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from graftmerge.errors import GraftError
+from graftmerge.formats.checkpoint import SAFETENSORS_DTYPES
+
+FISHER_KINDS = ("diagonal", "kfac", "mixed", "empty")
+REPRESENTATIONS = ("diagonal", "kfac")
+FACTOR_FIELDS = ("eigenvalues", "eigenvectors", "size", "rank", "clamped")
+DELTA_DTYPES = {"float32": "F32", "bfloat16": "BF16"}  # manifest dtype -> the shards' safetensors dtype
+SOURCE_FIELDS = ("path", "source", "revision", "sampled_sha256", "tensors")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def is_count(value: Any, minimum: int = 0) -> bool:
+    """An integer (not a bool, not 1.0) of at least ``minimum``."""
+    return type(value) is int and value >= minimum
+
+
+def field(record: Any, key: str, kind: type | tuple[type, ...], where: str, label: str) -> Any:
+    """``record[key]``, which must exist and be a ``kind``; GraftError naming ``label`` otherwise."""
+    if not isinstance(record, dict):
+        raise GraftError(f"{where}: corrupt manifest ({label.rsplit('.', 1)[0] or 'it'} is not an object)")
+    if key not in record:
+        raise GraftError(f"{where}: corrupt manifest (no `{label}`)")
+    value = record[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):  # JSON true is no number
+        raise GraftError(f"{where}: corrupt manifest (`{label}` is {type(value).__name__} {_shown(value)})")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A short repr for messages (a stranger's value may be huge)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def safe_shard_name(name: Any) -> bool:
+    """A ``.safetensors`` file inside the folder: no absolute path, ``..``, empty part, backslash or control character."""
+    return (isinstance(name, str) and name.endswith(".safetensors") and "\\" not in name
+            and not any(ord(c) < 32 or ord(c) == 127 for c in name)
+            and all(part not in ("", ".", "..") for part in name.split("/")))
+
+
+def check_tensor_records(tensors: Any, where: str, label: str) -> dict[str, tuple[int, ...]]:
+    """A ``name -> {shape, dtype}`` map (a model fingerprint), checked; the shapes by name."""
+    if not isinstance(tensors, dict):
+        raise GraftError(f"{where}: corrupt manifest (`{label}` is not an object)")
+    shapes = {}
+    for name, record in tensors.items():
+        shape = field(record, "shape", list, where, f"{label}[{name!r}].shape")
+        dtype = field(record, "dtype", str, where, f"{label}[{name!r}].dtype")
+        if not all(is_count(dim) for dim in shape) or dtype not in SAFETENSORS_DTYPES:
+            raise GraftError(f"{where}: corrupt manifest (`{label}[{name!r}]` has shape {_shown(shape)}, dtype "
+                             f"{_shown(dtype)})")
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+# -- Fisher caches ----------------------------------------------------------------------------
+
+
+def check_fisher_manifest(manifest: dict[str, Any], where: str) -> dict[str, tuple[int, ...]]:
+    """Every field a reader uses, checked; the expected shape of every tensor key an entry or factor names.
+
+    ``where`` names the cache in messages. Entries must name weights of ``model.tensors``
+    and a representation they hold; diagonal keys, factor keys and their tensors must
+    exist; KFAC weights must be 2-D with factor sizes matching their dimensions.
+    """
+    kind = field(manifest, "kind", str, where, "kind")
+    if kind not in FISHER_KINDS:
+        raise GraftError(f"{where}: corrupt manifest (`kind` is {_shown(kind)}, not one of {', '.join(FISHER_KINDS)})")
+    model_shapes = check_tensor_records(field(field(manifest, "model", dict, where, "model"), "tensors", dict, where,
+                                              "model.tensors"), where, "model.tensors")
+    entries = field(manifest, "entries", dict, where, "entries")
+    factors = manifest.get("factors", {})
+    if not isinstance(factors, dict):
+        raise GraftError(f"{where}: corrupt manifest (`factors` is not an object)")
+    files = field(manifest, "files", dict, where, "files")
+    for key, name in files.items():
+        if not safe_shard_name(name):
+            raise GraftError(f"{where}: corrupt manifest (`files` puts {key!r} in {_shown(name)}, not a .safetensors "
+                             "file inside the cache)")
+    clamped = manifest.get("clamped_eigenvalues", 0)
+    if not is_count(clamped):
+        raise GraftError(f"{where}: corrupt manifest (`clamped_eigenvalues` is {_shown(clamped)})")
+    expected: dict[str, tuple[int, ...]] = {}
+    for key, record in factors.items():
+        expected.update(_factor_shapes(key, record, where))
+    for name, entry in entries.items():
+        expected.update(_entry_shapes(name, entry, model_shapes, factors, where))
+    unfiled = sorted(set(expected) - set(files))
+    if unfiled:
+        raise GraftError(f"{where}: corrupt manifest (tensor {unfiled[0]!r} is named but `files` has no shard for it)")
+    return expected
+
+
+def _factor_shapes(key: str, record: Any, where: str) -> dict[str, tuple[int, ...]]:
+    """One KFAC side's record, checked; its tensors' expected shapes (eigenvalues: size; eigenvectors: size × rank)."""
+    label = f"factors[{key!r}]"
+    if not isinstance(record, dict) or set(record) - set(FACTOR_FIELDS):
+        extra = sorted(set(record) - set(FACTOR_FIELDS)) if isinstance(record, dict) else []
+        raise GraftError(f"{where}: corrupt manifest (`{label}` " + (f"has unknown field {extra[0]!r})" if extra else
+                                                                    "is not an object)"))
+    size = field(record, "size", int, where, f"{label}.size")
+    values = field(record, "eigenvalues", str, where, f"{label}.eigenvalues")
+    rank = record.get("rank", size)
+    if not is_count(size, 1) or not is_count(rank, 1) or rank > size or ("rank" in record and "eigenvectors" not in record):
+        raise GraftError(f"{where}: corrupt manifest (`{label}` has size {_shown(size)}, rank {_shown(rank)})")
+    if not is_count(record.get("clamped", 0)):
+        raise GraftError(f"{where}: corrupt manifest (`{label}.clamped` is {_shown(record['clamped'])})")
+    shapes = {values: (size,)}
+    if "eigenvectors" in record:
+        shapes[field(record, "eigenvectors", str, where, f"{label}.eigenvectors")] = (size, rank)
+    return shapes
+
+
+def _entry_shapes(name: str, entry: Any, model_shapes: Mapping[str, tuple[int, ...]],
+                  factors: Mapping[str, Any], where: str) -> dict[str, tuple[int, ...]]:
+    """One weight's entry, checked against ``model.tensors`` and ``factors``; its diagonal key's expected shape."""
+    label = f"entries[{name!r}]"
+    representation = field(entry, "representation", str, where, f"{label}.representation")
+    extra = sorted(set(entry) - {"representation", *REPRESENTATIONS})
+    if representation not in REPRESENTATIONS or representation not in entry or extra:
+        problem = f"unknown field {extra[0]!r}" if extra else f"representation {_shown(representation)} it does not hold"
+        raise GraftError(f"{where}: corrupt manifest (`{label}` has {problem})")
+    if name not in model_shapes:
+        raise GraftError(f"{where}: corrupt manifest (entry for {name!r}, which is not a tensor of `model.tensors`)")
+    shape = model_shapes[name]
+    shapes = {}
+    if "diagonal" in entry:
+        diagonal = field(entry, "diagonal", dict, where, f"{label}.diagonal")
+        if set(diagonal) != {"key"}:
+            raise GraftError(f"{where}: corrupt manifest (`{label}.diagonal` must hold exactly `key`)")
+        shapes[field(diagonal, "key", str, where, f"{label}.diagonal.key")] = shape
+    if "kfac" in entry:
+        kfac = field(entry, "kfac", dict, where, f"{label}.kfac")
+        if set(kfac) != {"rows", "columns"}:
+            raise GraftError(f"{where}: corrupt manifest (`{label}.kfac` must hold exactly `rows` and `columns`)")
+        if len(shape) != 2:
+            raise GraftError(f"{where}: KFAC entry for {name!r}, which is not 2-D (shape {shape})")
+        for side, dim in (("rows", 0), ("columns", 1)):
+            key = field(kfac, side, str, where, f"{label}.kfac.{side}")
+            if key not in factors:
+                raise GraftError(f"{where}: corrupt manifest (`{label}.kfac.{side}` names factor {_shown(key)}, "
+                                 "which `factors` does not have)")
+            if factors[key]["size"] != shape[dim]:
+                raise GraftError(f"{where}: KFAC {side} factor of {name!r} has size {factors[key]['size']}, weight "
+                                 f"{shape} needs {shape[dim]}")
+    return shapes
+
+
+# -- delta folders ----------------------------------------------------------------------------
+
+
+def check_delta_manifest(manifest: dict[str, Any], where: str) -> dict[str, tuple[int, ...]]:
+    """Every field a reader uses, checked; the delta's tensors (the donor's names) with their shapes."""
+    weight = field(manifest, "weight", (int, float), where, "weight")
+    if not math.isfinite(weight):
+        raise GraftError(f"{where}: corrupt manifest (`weight` is {weight}, not a finite number)")
+    dtype = field(manifest, "dtype", str, where, "dtype")
+    if dtype not in DELTA_DTYPES:
+        raise GraftError(f"{where}: corrupt manifest (`dtype` is {_shown(dtype)}, not one of {', '.join(DELTA_DTYPES)})")
+    shapes = {}
+    for role in ("donor", "donor_ft"):
+        record = field(manifest, role, dict, where, role)
+        for key in ("path", "sampled_sha256"):
+            field(record, key, str, where, f"{role}.{key}")
+        for key in ("source", "revision"):
+            if record.get(key) is not None and not isinstance(record[key], str):
+                raise GraftError(f"{where}: corrupt manifest (`{role}.{key}` is {_shown(record[key])})")
+        if not SHA256.fullmatch(record["sampled_sha256"]):
+            raise GraftError(f"{where}: corrupt manifest (`{role}.sampled_sha256` is not a sha256)")
+        shapes[role] = check_tensor_records(field(record, "tensors", dict, where, f"{role}.tensors"), where,
+                                            f"{role}.tensors")
+    if shapes["donor"] != shapes["donor_ft"]:
+        raise GraftError(f"{where}: corrupt manifest (`donor.tensors` and `donor_ft.tensors` differ in names or shapes)")
+    zeroed = manifest.get("non_floating_zeroed", [])
+    if not isinstance(zeroed, list) or not all(isinstance(n, str) and n in shapes["donor"] for n in zeroed):
+        raise GraftError(f"{where}: corrupt manifest (`non_floating_zeroed` is not a list of the donor's tensors)")
+    return shapes["donor"]
