@@ -220,11 +220,9 @@ def forget_process_state() -> None:
     between real runs.)"""
     from mergekit.io.tasks import LoaderCache
 
-    from graftmerge.pipeline import graft, graft_plan, threshold_pass
+    from graftmerge.pipeline.graft import forget_process_state as forget_graft_state
 
-    graft._VALIDATED_PLANS.clear()
-    graft_plan.open_inputs.cache_clear()
-    threshold_pass._MEMORY.clear()
+    forget_graft_state()
     LoaderCache().flush_all()
     LoaderCache().loaders.clear()
 

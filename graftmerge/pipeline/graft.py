@@ -31,11 +31,24 @@ from graftmerge.pipeline.graft_plan import (
     plan_from_merge_config,
 )
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
-from graftmerge.pipeline.threshold_pass import compute_global_threshold, global_threshold
+from graftmerge.pipeline.threshold_pass import (
+    compute_global_threshold,
+    forget_thresholds,
+    global_threshold,
+)
 
 # Plans validated by run_graft_merge, by everything but dtype: the kernel sees
 # tensors already cast and cannot read the config's dtype itself.
 _VALIDATED_PLANS: dict[GraftPlan, GraftPlan] = {}
+
+
+def forget_process_state() -> None:
+    """Forget what earlier merges left in this process (validated plans, opened inputs,
+    remembered thresholds), so the next merge starts as in a fresh process: what tests
+    and long-lived callers running several merges in one process want."""
+    _VALIDATED_PLANS.clear()
+    open_inputs.cache_clear()
+    forget_thresholds()
 
 
 def _without_dtype(plan: GraftPlan) -> GraftPlan:

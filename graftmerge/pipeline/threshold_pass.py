@@ -29,6 +29,11 @@ from graftmerge.math.selection import masked_count
 from graftmerge.pipeline.graft_plan import GraftInputs
 
 _MEMORY: dict[str, GlobalThreshold] = {}
+
+
+def forget_thresholds() -> None:
+    """Drop the thresholds this process remembers (the on-disk cache is kept)."""
+    _MEMORY.clear()
 NO_CACHE_ENV = "GRAFTMERGE_NO_THRESHOLD_CACHE"
 
 
