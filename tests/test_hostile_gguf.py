@@ -145,6 +145,14 @@ def hostile(kind: str, root: Path) -> tuple[Path, str]:
         return llama_file(path, llama_metadata(blocks=100)), "block_count = 100, but it holds tensors for 1 block"
     if kind == "a 10-billion-parameter config over tiny tensors":
         return llama_file(path, llama_metadata(ffn=10**8)), "describes a model of 9,600,"
+    if kind == "a vocabulary far larger than its model":
+        tokens = gguf_str("tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, 100_000)
+        tokens += (struct.pack("<Q", 1) + b"a") * 100_000
+        return llama_file(path, llama_metadata() + [tokens]), "hold 100,000 strings, more than its tensors' 10,848"
+    if kind == "more tokens than embedding rows":
+        tokens = [chr(ord("a") + i % 26) * (1 + i // 26) for i in range(1000)]
+        return llama_file(path, llama_metadata() + [str_array("tokenizer.ggml.tokens", tokens)]), \
+            "tokenizer.ggml.tokens has 1,000 entries, but its tokenizer has 1,000 tokens and token_embd.weight 16 rows"
     if kind == "width not the embedding's":
         return llama_file(path, llama_metadata(width=4096)), "hidden_size 4096, but the file has 32"
     raise AssertionError(kind)
@@ -155,6 +163,7 @@ HOSTILE = [
     "many tensors in few bytes", "huge key count", "huge dims", "too many dims", "tensor offset past EOF",
     "overlapping tensors", "llama with no tensors", "100 layers, tensors for 1",
     "a 10-billion-parameter config over tiny tensors", "width not the embedding's",
+    "a vocabulary far larger than its model", "more tokens than embedding rows",
 ]
 
 # Runs COMMAND as its only child; reports exit status, stderr, seconds and the child's peak RSS.

@@ -28,15 +28,20 @@ def import_gguf(file: Path, output: Path, dtype: str, max_shard_size: str, overw
     The folder is what `graftmerge fisher estimate` and `mergekit-yaml` read: config.json,
     sharded safetensors, the tokenizer with its chat template, generation_config.json.
     The weights are the values the quantized model computes with; the GGUF no longer
-    holds the original ones. Checks the file (GGUF, a causal-LM architecture
-    transformers knows, quantization types it can dequantize) before the slow part;
-    OUTPUT appears only when complete.
+    holds the original ones. Checks the file (GGUF, every count and length of its
+    header against its size, a causal-LM architecture transformers knows, quantization
+    types it can dequantize, tensors that make the model its metadata describes) before
+    the slow part; OUTPUT appears only when complete.
 
     \b
     graftmerge import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o ./post
     graftmerge import-gguf model.Q8_0.gguf -o ./post --dtype bfloat16 --overwrite
     """
-    # lazy: the importer loads torch and gguf; only when the command runs, so --help stays fast
+    # lazy: both only when the command runs, so --help stays fast; the header check needs only gguf-py and
+    # numpy, so a bad file is refused in a fraction of a second, before torch and transformers load
+    from graftmerge.formats.gguf_header import open_gguf
+
+    open_gguf(file)
     from graftmerge.formats.gguf_import import import_gguf as run_import
 
     written = run_import(file, output, dtype, overwrite=overwrite, max_shard_size=max_shard_size)

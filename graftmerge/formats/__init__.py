@@ -5,6 +5,7 @@ fisher_cache    Fisher caches (format v1, ``fisher/README.md``)
 delta_folder    delta folders written by ``graftmerge delta extract`` (``docs/delta-tool.md``)
 rotation_store  the threshold pass's scratch Δ̃ = UᵀΔV, reused by the merge
 gguf_import     a GGUF file turned into a safetensors model folder
+gguf_header     a GGUF header read strictly: every count and length checked against the file first
 file_hash       sha256 of a file, for identities and uploads
 json_file       manifests and indexes read defensively: size and nesting capped, no repeated key
 manifest_schema Fisher and delta manifests checked field by field

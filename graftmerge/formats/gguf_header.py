@@ -39,6 +39,12 @@ MAX_TENSORS = 65_536  # real models: a few thousand at most
 MAX_KEYS = 65_536  # real models: a few dozen
 MAX_ARRAY_ELEMENTS = 4 * 2**20  # all metadata arrays together; a 262k vocabulary with scores and types is 0.8M
 MAX_HEADER_BYTES = 256 * 2**20  # metadata and tensor infos; a large vocabulary is ~10 MB
+# Reading a header costs gguf-py ~1.6 KB per string of a metadata array (two numpy views
+# each) and transformers ~60 B per number, so arrays may only be as large as the model
+# justifies: 2 KB per 512 tensor values is about what the values cost in float32 anyway.
+# Real models sit far inside (SmolLM2-135M: 98k strings, 134M values; Llama-3-8B: 408k, 8B).
+STRINGS_FREE, VALUES_PER_STRING = 65_536, 512
+ARRAY_ELEMENTS_FREE, VALUES_PER_ARRAY_ELEMENT = 262_144, 64
 MAX_KEY_BYTES = 65_535
 MAX_TENSOR_NAME_BYTES = 255  # llama.cpp stops at 63
 MAX_BLOCKS = 1024  # transformer blocks (the largest public models have under 200)
@@ -135,6 +141,26 @@ class _Cursor:
             raise GraftError(f"{self.path}: {what} is not UTF-8 text ({HOSTILE})") from error
 
 
+def open_gguf(file: str | Path) -> GgufLayout:
+    """The checked header of the GGUF ``file`` (which must exist, be a file, and name its architecture).
+
+    Needs nothing heavier than numpy, so ``import-gguf`` refuses a bad file before it loads torch.
+    """
+    path = Path(file)
+    if not path.exists():
+        raise GraftError(f"{path} does not exist")
+    if not path.is_file():
+        raise GraftError(f"{path} is not a file (expected a .gguf file)")
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != GGUF_MAGIC:
+        raise GraftError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    layout = read_gguf_layout(path)
+    if layout.architecture is None:
+        raise GraftError(f"{path} has no general.architecture in its metadata; cannot tell what model it is")
+    return layout
+
+
 def read_gguf_layout(file: str | Path) -> GgufLayout:
     """Parse and check a GGUF's header (see the module docstring); GraftError naming the file otherwise.
 
@@ -153,6 +179,7 @@ def read_gguf_layout(file: str | Path) -> GgufLayout:
             data_start = -(-cursor.position // alignment) * alignment
     tensors = tuple(_checked_tensor(path, size, data_start, alignment, *info) for info in infos)
     _check_no_overlap(path, tensors)
+    _check_arrays_fit_the_model(path, arrays, tensors)
     return GgufLayout(path, size, metadata, arrays, tensors)
 
 
@@ -298,6 +325,21 @@ def _check_no_overlap(path: Path, tensors: tuple[GgufTensor, ...]) -> None:
             raise GraftError(f"{path}: the data of tensors {before.name!r} and {after.name!r} overlap ({HOSTILE})")
 
 
+def _check_arrays_fit_the_model(path: Path, arrays: dict[str, tuple[int, int]], tensors: tuple[GgufTensor, ...]) -> None:
+    """GraftError when the metadata arrays are larger than the model's tensors justify (see STRINGS_FREE)."""
+    values = sum(tensor.elements for tensor in tensors)
+    strings = sum(count for element_type, count in arrays.values() if element_type == STRING)
+    elements = sum(count for _, count in arrays.values())
+    for count, what, allowed in (
+        (strings, "strings", STRINGS_FREE + values // VALUES_PER_STRING),
+        (elements, "elements", ARRAY_ELEMENTS_FREE + values // VALUES_PER_ARRAY_ELEMENT),
+    ):
+        if count > allowed:
+            raise GraftError(f"{path}: its metadata arrays hold {count:,} {what}, more than its tensors' {values:,} "
+                             f"values justify (at most {allowed:,}); a vocabulary that size comes with a far larger "
+                             f"model ({HOSTILE})")
+
+
 def block_count(layout: GgufLayout) -> int:
     """How many transformer blocks (``blk.N.*``) hold tensors: N from 0 up, each present; GraftError otherwise."""
     blocks = {int(match.group(1)) for t in layout.tensors if (match := BLOCK_TENSOR.match(t.name))}
@@ -316,10 +358,19 @@ def block_count(layout: GgufLayout) -> int:
 
 
 def check_model_tensors(layout: GgufLayout) -> int:
-    """The token embedding and every block the metadata declares hold tensors; returns the block count."""
-    if layout.tensor("token_embd.weight") is None:
+    """The token embedding (one row per token of the tokenizer) and every block the metadata declares hold
+    tensors; returns the block count."""
+    embedding = layout.tensor("token_embd.weight")
+    if embedding is None:
         raise GraftError(f"{layout.path}: it has no token embedding (token_embd.weight) among its "
                          f"{len(layout.tensors)} tensors; not a complete model")
+    rows = embedding.dims[1] if len(embedding.dims) > 1 else 1
+    tokens = layout.arrays.get("tokenizer.ggml.tokens", (STRING, 0))[1]
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        count = layout.arrays.get(key, (STRING, 0))[1]
+        if count > rows or (key != "tokenizer.ggml.tokens" and count not in (0, tokens)):  # indexed by token id
+            raise GraftError(f"{layout.path}: its metadata {key} has {count:,} entries, but its tokenizer has "
+                             f"{tokens:,} tokens and token_embd.weight {rows:,} rows; not a consistent model")
     count = block_count(layout)
     declared = layout.metadata.get(f"{layout.architecture}.block_count")
     if declared is not None and declared != count:

@@ -32,10 +32,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging as hf_logging
 
 from graftmerge.errors import GraftError
-from graftmerge.formats.gguf_header import GgufLayout, check_model_tensors, read_gguf_layout
+from graftmerge.formats.gguf_header import GgufLayout, check_model_tensors, open_gguf
 from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
 
-GGUF_MAGIC = b"GGUF"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -70,17 +69,7 @@ class GgufHeader:
 def read_gguf_header(file: str | os.PathLike) -> GgufHeader:
     """The file's architecture, tensor types and tokenizer presence; GraftError if it is no GGUF."""
     path = Path(file)
-    if not path.exists():
-        raise GraftError(f"{path} does not exist")
-    if not path.is_file():
-        raise GraftError(f"{path} is not a file (expected a .gguf file)")
-    with open(path, "rb") as handle:
-        magic = handle.read(4)
-    if magic != GGUF_MAGIC:
-        raise GraftError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
-    layout = read_gguf_layout(path)  # every count and length checked against the file before gguf-py sees it
-    if layout.architecture is None:
-        raise GraftError(f"{path} has no general.architecture in its metadata; cannot tell what model it is")
+    layout = open_gguf(path)  # every count and length checked against the file before gguf-py sees it
     types: dict[str, str] = {}
     for tensor in layout.tensors:
         types.setdefault(tensor.type_name, tensor.name)
@@ -162,7 +151,7 @@ def check_implied_model(header: GgufHeader, config) -> None:
     more than the tensors hold, plus an output layer tied to the embedding. A header
     that describes a 7B model over a few bytes of tensors stops here.
     """
-    layout = header.layout if header.layout is not None else read_gguf_layout(header.path)
+    layout = header.layout if header.layout is not None else open_gguf(header.path)
     blocks = check_model_tensors(layout)
     embedding = layout.tensor("token_embd.weight")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -513,6 +513,21 @@ class LoraDelta(_AdapterSource):
         """The adapter's stamps (the donor, when used, is stamped as the plan's donor)."""
         return self.adapter_stamps()
 
+    def low_rank_factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """``(L, R, s)`` with Δ of tensor ``name`` = ``s · L @ R`` (float32, the model's layout), or None.
+
+        ``(B, A)``, or ``(Aᵀ, Bᵀ)`` for a transposed layer; rank-0 factors where the adapter
+        does not write; None where it stores a whole tensor (Δ is not low-rank there).
+        """
+        info, weight = self.tensors[name], self.bound.get(name)
+        if weight is not None and weight.full_key is not None or len(info.shape) != 2:
+            return None
+        if weight is None:
+            return torch.zeros(info.shape[0], 0), torch.zeros(0, info.shape[1]), 1.0
+        lora = self.adapter.modules[weight.module]
+        a, b = self.adapter.read(lora.a_key).float(), self.adapter.read(lora.b_key).float()
+        return (a.T, b.T, lora.scaling) if weight.transposed else (b, a, lora.scaling)
+
 
 class LoraFineTune(_AdapterSource):
     """``model: ./base+./adapter``: θft as PEFT's ``merge_and_unload()`` of a float32 base saves it.

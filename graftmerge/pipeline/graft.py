@@ -22,7 +22,7 @@ from graftmerge.formats.delta_folder import check_finite_delta
 from graftmerge.formats.output_folder import MERGE, OutputFolder, stage_reached
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.donor_delta import donor_delta
-from graftmerge.math.projection import remove_masked, score_delta
+from graftmerge.math.projection import remove_masked
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
 from graftmerge.pipeline.graft_plan import (
     GraftInputs,
@@ -30,7 +30,7 @@ from graftmerge.pipeline.graft_plan import (
     open_inputs,
     plan_from_merge_config,
 )
-from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
+from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit, scored_delta
 from graftmerge.pipeline.threshold_pass import (
     compute_global_threshold,
     forget_thresholds,
@@ -114,7 +114,7 @@ def _masked(inputs: GraftInputs, name: str, delta: torch.Tensor) -> torch.Tensor
     plan = inputs.plan
     if plan.rho_scope == "tensor":
         fisher = inputs.tensor_fisher(name).to(delta.device)
-        scored = score_delta(delta, fisher)
+        scored = scored_delta(inputs, name, delta, fisher)
         mask = top_k_mask(scored.scores, masked_count(plan.rho, scored.scores.numel()))
         return remove_masked(scored, mask, fisher)
     threshold = inputs.memo.get("global_threshold") or global_threshold(
@@ -128,7 +128,7 @@ def _masked(inputs: GraftInputs, name: str, delta: torch.Tensor) -> torch.Tensor
         part = delta if rows is None else delta[rows[0] : rows[1]]
         fisher = inputs.tensor_fisher(name, rows).to(delta.device)
         rotated = kept.load(name, delta.device) if kept is not None and rows is None else None
-        scored = score_delta(part, fisher, rotated)
+        scored = scored_delta(inputs, name, part, fisher, rows, rotated)
         mask = mask_from_threshold(scored.scores, threshold.threshold, ties_left)
         if ties_left:
             ties_left -= min(ties_left, int((scored.scores == threshold.threshold).sum()))

@@ -375,18 +375,22 @@ def remote_code_fields(folder: str | os.PathLike) -> list[str]:
     return found
 
 
-def _config_inputs(config) -> dict[str, tuple[str, str]]:
-    """Each input as written in the config -> (its folder, what it is), base_model first."""
+def _config_inputs(config) -> list[tuple[str, str, str]]:
+    """(input as written in the config, a folder of it, what it is) for every folder, base_model first.
+
+    A ``BASE+ADAPTER`` reference has two folders, both listed under its label.
+    """
     base = config.base_model.model
-    inputs = {str(config.base_model): (resolve_model_folder(base.path, base.revision), "base_model, the post model")}
+    inputs = [(str(config.base_model), resolve_model_folder(base.path, base.revision), "base_model, the post model")]
     for entry in config.models:
-        role = (entry.parameters or {}).get("role")
-        inputs[str(entry.model)] = (resolve_model_folder(entry.model.model.path, entry.model.model.revision),
-                                    f"role {role}")
+        role = f"role {(entry.parameters or {}).get('role')}"
+        for part in (entry.model.model, entry.model.lora):
+            if part is not None:
+                inputs.append((str(entry.model), resolve_model_folder(part.path, part.revision), role))
     return inputs
 
 
-def _trusted_inputs(config, inputs: dict[str, tuple[str, str]]) -> set[str]:
+def _trusted_inputs(config, inputs: list[tuple[str, str, str]]) -> set[str]:
     """The inputs the graft parameter ``trust_remote_code`` names (by path as written, or the same folder)."""
     value = dict(config.parameters or {}).get(TRUST_PARAMETER)
     if value is None:
@@ -397,11 +401,11 @@ def _trusted_inputs(config, inputs: dict[str, tuple[str, str]]) -> set[str]:
                          f"in this config (e.g. `{TRUST_PARAMETER}: [./post]`); got {value!r}")
     trusted = set()
     for name in names:
-        same = [label for label, (folder, _) in inputs.items() if name == label
+        same = [label for label, folder, _ in inputs if name == label
                 or (os.path.isdir(name) and os.path.realpath(name) == os.path.realpath(folder))]
         if not same:
             raise GraftError(f"graft parameter {TRUST_PARAMETER} names {name!r}, which is not an input of this config "
-                             f"(its inputs: {', '.join(inputs)})")
+                             f"(its inputs: {', '.join(dict.fromkeys(label for label, _, _ in inputs))})")
         trusted.update(same)
     return trusted
 
@@ -417,7 +421,7 @@ def check_trusted_code(config, plan: GraftPlan) -> GraftPlan:
     """
     inputs = _config_inputs(config)
     trusted = _trusted_inputs(config, inputs)
-    for label, (folder, what) in inputs.items():
+    for label, folder, what in inputs:
         fields = remote_code_fields(folder)
         if fields and label not in trusted:
             raise GraftError(

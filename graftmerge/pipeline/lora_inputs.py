@@ -13,6 +13,11 @@ loader is put into mergekit's ``LoaderCache``:
 - a donor implied by ``BASE+ADAPTER`` (none listed) is added with ``role: donor``.
 
 The loaders are removed when the merge ends, whatever happens.
+
+Low rank kept low: when a graft's whole Δ is one adapter (``role: delta``, nothing else),
+every KFAC weight is rotated from the factors, ``Δ̃ = λ·s·(UᵀB)(AV)``, never from the
+dense Δ (:func:`scored_delta`, which every scoring site of the pipeline calls, so the
+threshold pass, the merge kernel, plan and sweep agree bit for bit).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from mergekit.io.tasks import LoaderCache
 
 from graftmerge.formats.checkpoint import TensorSource
 from graftmerge.formats.lora_adapter import WEIGHTS_NAME, LoraDelta, LoraFineTune
+from graftmerge.math.low_rank import low_rank_rotate
+from graftmerge.math.projection import ScoredDelta, TensorFisher, score_delta
 from graftmerge.pipeline.graft_plan import GraftInputs
 
 
@@ -99,3 +106,31 @@ def lora_inputs_in_mergekit(config, inputs: GraftInputs) -> Iterator[object]:
     finally:
         for reference in sources:
             loaders.pop(reference, None)
+
+
+def low_rank_rotation(inputs: GraftInputs, name: str, fisher: TensorFisher, rows: tuple[int, int] | None,
+                      device: torch.device | str) -> torch.Tensor | None:
+    """Δ̃ = UᵀΔV of ``name`` from LoRA factors, ``λ·s·(UᵀB)(AV)``, when the graft's Δ is one adapter alone.
+
+    None (rotate the dense Δ) for a diagonal Fisher, a row block, a float64 graft, any
+    other term in Δ, or a weight the adapter stores whole.
+    """
+    if fisher.kfac is None or rows is not None or inputs.fine_tunes or len(inputs.deltas) != 1:
+        return None
+    if inputs.working_dtype(name) == torch.float64:
+        return None
+    factors = getattr(inputs.deltas[0], "low_rank_factors", None)  # a LoraDelta (or a plan's ReadOnce of one)
+    found = factors(name) if factors is not None else None
+    if found is None:
+        return None
+    left, right, scale = found
+    kfac = fisher.kfac
+    return low_rank_rotate(left.to(device), right.to(device), scale * inputs.plan.delta_lambdas[0], kfac.U, kfac.V)
+
+
+def scored_delta(inputs: GraftInputs, name: str, delta: torch.Tensor, fisher: TensorFisher,
+                 rows: tuple[int, int] | None = None, rotated: torch.Tensor | None = None) -> ScoredDelta:
+    """``score_delta`` of one tensor (block) of a graft, Δ̃ from LoRA factors where :func:`low_rank_rotation` can."""
+    if rotated is None:
+        rotated = low_rank_rotation(inputs, name, fisher, rows, delta.device)
+    return score_delta(delta, fisher, rotated)

@@ -23,9 +23,9 @@ from tqdm import tqdm
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.global_threshold import GlobalThreshold
 from graftmerge.math.mask_stats import MaskTally, MultiThresholdSearch, score_mass, share
-from graftmerge.math.projection import score_delta
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan
+from graftmerge.pipeline.lora_inputs import scored_delta
 
 
 class ReadOnce:
@@ -104,7 +104,7 @@ def score_pass(
         for rows in first.row_blocks(name):
             fisher = first.tensor_fisher(name, rows).to(device)
             for key, view in views.items():
-                scored = score_delta(view.read_delta(name, device, rows), fisher)
+                scored = scored_delta(view, name, view.read_delta(name, device, rows), fisher, rows)
                 if keep and rotations is not None and rows is None and scored.rotated is not None:
                     rotations[key].save(name, scored.rotated)
                 yield key, scored.scores
@@ -170,7 +170,7 @@ def tensor_masks(
     quota, over the same row blocks as the kernel. Tensor scope: ``top_k_mask``.
     """
     if thresholds is None:
-        scores = score_delta(inputs.read_delta(name, device), inputs.tensor_fisher(name).to(device)).scores
+        scores = scored_delta(inputs, name, inputs.read_delta(name, device), inputs.tensor_fisher(name).to(device)).scores
         yield None, scores, {rho: top_k_mask(scores, masked_count(rho, scores.numel())) for rho in rhos}
         return
     ties = {rho: thresholds[rho].tie_quota.get(name, 0) for rho in rhos}
@@ -178,7 +178,7 @@ def tensor_masks(
         fisher = inputs.tensor_fisher(name, rows).to(device)
         rotated = rotations.load(name, device) if rotations is not None and rows is None else None
         delta = inputs.read_delta(name, device, rows) if rotated is None else None
-        scores = score_delta(delta, fisher, rotated).scores
+        scores = scored_delta(inputs, name, delta, fisher, rows, rotated).scores
         masks = {}
         for rho in rhos:
             threshold = thresholds[rho].threshold

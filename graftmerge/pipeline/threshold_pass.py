@@ -24,9 +24,9 @@ from graftmerge import __version__
 from graftmerge.formats.output_folder import stage_reached
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.global_threshold import GlobalThreshold, ThresholdSearch
-from graftmerge.math.projection import score_delta
 from graftmerge.math.selection import masked_count
 from graftmerge.pipeline.graft_plan import GraftInputs
+from graftmerge.pipeline.lora_inputs import scored_delta
 
 _MEMORY: dict[str, GlobalThreshold] = {}
 
@@ -143,7 +143,7 @@ def compute_global_threshold(
         """Scores of each row block of ``name``; with ``keep``, Δ̃ of whole KFAC weights goes to ``rotations``."""
         for rows in inputs.row_blocks(name):
             delta = inputs.read_delta(name, device, rows)
-            scored = score_delta(delta, inputs.tensor_fisher(name, rows).to(device))
+            scored = scored_delta(inputs, name, delta, inputs.tensor_fisher(name, rows).to(device), rows)
             if keep and rotations is not None and rows is None and scored.rotated is not None:
                 rotations.save(name, scored.rotated)
             yield scored.scores
