@@ -86,6 +86,33 @@ MASKS = {
 }
 
 
+def threshold_pass_seconds(workdir: Path, folder: str, repeats: int) -> tuple[float, int]:
+    """(best seconds of the KFAC threshold pass alone, in this process; dense Δ̃ rotations it did).
+
+    Less exposed to a busy machine than whole-process medians: the best of ``repeats``
+    after one untimed pass (the Fisher cache checks every basis on its first read).
+    """
+    import time
+
+    import yaml
+    from mergekit.config import MergeConfiguration
+
+    from graftmerge.math.projection import KFAC_ROTATIONS
+    from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config
+    from graftmerge.pipeline.threshold_pass import compute_global_threshold
+
+    text = graft_config(folder, MASKS["rho 0.001 global KFAC"]).format(w=workdir.resolve())
+    inputs = GraftInputs.open(plan_from_merge_config(MergeConfiguration.model_validate(yaml.safe_load(text))))
+    compute_global_threshold(inputs, progress=False)  # warm: the cache's first reads check every basis
+    times = []
+    for _ in range(repeats):
+        KFAC_ROTATIONS.clear()
+        start = time.perf_counter()
+        compute_global_threshold(inputs, progress=False)
+        times.append(time.perf_counter() - start)
+    return min(times), sum(KFAC_ROTATIONS.values())
+
+
 def size_mb(folder: Path) -> float:
     """Bytes of every file under ``folder``, in MB."""
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e6
@@ -96,6 +123,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("bench-lora"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="4 layers, vocab 32768 (96M parameters)")
+    parser.add_argument("--pass-only", action="store_true", help="only the in-process KFAC threshold pass")
     args = parser.parse_args()
     config = qwen3_config(num_hidden_layers=4, vocab_size=32768) if args.small else qwen3_config()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -107,6 +135,12 @@ def main() -> None:
           f"{size_mb(args.workdir / 'full-delta'):.1f} MB, post {size_mb(args.workdir / 'post'):.1f} MB")
     configs = {f"{kind} {mask}": graft_config(folder, MASKS[mask])
                for mask in MASKS for kind, folder in (("adapter", "adapter"), ("full delta", "full-delta"))}
+    for kind, folder in (("adapter", "adapter"), ("full delta", "full-delta")):
+        seconds, rotations = threshold_pass_seconds(args.workdir, folder, args.repeats)
+        print(f"KFAC threshold pass alone (in process, best of {args.repeats}), {kind}: {seconds:.2f} s, "
+              f"{rotations} dense rotations", flush=True)
+    if args.pass_only:
+        return
     results = time_merges(args.workdir, configs, args.repeats)
     print(f"medians of {args.repeats}:")
     for mask in MASKS:

@@ -37,15 +37,15 @@ from graftmerge.adapter import import_hook
 from graftmerge.cli import main
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.math import projection
-from graftmerge.math.low_rank import low_rank_rotate
-from graftmerge.math.scores import kfac_rotate
 from graftmerge.formats.lora_adapter import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     open_lora_adapter,
     open_lora_delta,
 )
+from graftmerge.math import projection
+from graftmerge.math.low_rank import low_rank_rotate
+from graftmerge.math.scores import kfac_rotate
 from graftmerge.testing.tiny_models import ARCHITECTURES, make_graft_inputs, save_tiny_model
 
 PREFIX = "base_model.model."
