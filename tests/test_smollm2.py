@@ -135,7 +135,10 @@ def test_import_writes_a_plain_folder_that_matches_the_gguf(smol, gguf_digest):
     assert json.loads(result.stdout.strip().splitlines()[-1]) is True  # the chat template came along
     folder = torch.load(post.parent / "folder-logits.pt")
     assert torch.equal(folder["ids"], reference["ids"])
-    torch.testing.assert_close(folder["logits"], reference["logits"], rtol=1e-5, atol=1e-5)
+    # The weights are compared bit for bit above. The logits come from two processes whose
+    # float32 reductions may be split differently (OpenMP may give a loaded machine fewer
+    # threads), and 30 layers amplify that: once seen 4e-3 apart on logits of size ~20.
+    torch.testing.assert_close(folder["logits"], reference["logits"], rtol=1e-3, atol=1e-2)
     assert torch.equal(folder["logits"].argmax(-1), reference["logits"].argmax(-1))
 
 
