@@ -68,7 +68,7 @@ from tqdm.auto import tqdm
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.file_hash import file_sha256
-from graftmerge.formats.json_file import parse_json_bytes
+from graftmerge.formats.json_file import load_json_file, parse_json_bytes
 from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
 from graftmerge.hub.references import (
     HubReference,
@@ -153,17 +153,12 @@ class ArtifactKind:
         if self.open_folder is not None:
             manifest = dict(self.open_folder(folder))
         else:
-            manifest = self.check_manifest(_parse_json(manifest_file.read_bytes(), str(manifest_file)), str(folder))
+            manifest = self.check_manifest(load_json_file(manifest_file, "manifest"), str(folder))
         files = self.data_files(manifest, lambda name: (folder / name).read_bytes(), str(folder))
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
             raise GraftError(f"{self.label} {folder} is missing file(s) {', '.join(missing[:5])}")
         return manifest, files
-
-
-def _parse_json(raw: bytes, where: str) -> Any:
-    """A manifest's JSON: no repeated key, nesting capped (one line, never a RecursionError)."""
-    return parse_json_bytes(raw, where, "manifest")
 
 
 # -- hashing: what the Hub reports per file -----------------------------------------
@@ -476,7 +471,7 @@ def _pull(kind: ArtifactKind, reference: HubReference, staged: OutputFolder | No
     with hub_errors(kind, reference, "pull"):
         online, commit, raw = _pull_manifest(kind, reference, cache, token)
         where = f"{reference.repo_id}@{commit[:12]}"
-        manifest = kind.check_manifest(_parse_json(raw, f"{where}/{kind.manifest_name}"), where)
+        manifest = kind.check_manifest(parse_json_bytes(raw, f"{where}/{kind.manifest_name}", "manifest"), where)
         if layers:
             manifest = _select_layers(kind, manifest, layers, where)
             manifest["pulled"] = {"from": f"{reference.repo_id}@{commit}", "layers": list(layers)}
@@ -629,18 +624,6 @@ class _SnapshotFiles:
         self.checked(self.kind.manifest_name)
         if reference.revision_or_main != self.commit:
             _write_ref(self.storage, reference.revision_or_main, self.commit)
-
-
-def assemble_folder(output: Path, sources: Mapping[str, Path], files: Sequence[str], manifest_name: str,
-                    manifest: bytes, *, overwrite: bool = False) -> Path:
-    """Build ``output`` from cached files in a hidden sibling, manifest last, then rename it in (whole).
-
-    ``sources``: name → the real file to hard-link (or copy), already checked to be the
-    snapshot's own; nothing is followed here.
-    """
-    with _output_folder(output, overwrite) as staged:
-        fill_folder(staged.staging, sources, files, manifest_name, manifest)
-    return Path(output)
 
 
 def fill_folder(staging: Path, sources: Mapping[str, Path], files: Sequence[str], manifest_name: str,
