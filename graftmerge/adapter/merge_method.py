@@ -30,7 +30,13 @@ from mergekit.merge_methods.base import (
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import InMemoryCheckpoint
-from graftmerge.pipeline.graft import graft_in_memory, graft_tensor, run_graft_merge, validated_plan
+from graftmerge.pipeline.graft import (
+    graft_in_memory,
+    graft_tensor,
+    run_graft_merge,
+    validated_plan,
+    was_validated,
+)
 from graftmerge.pipeline.graft_plan import (
     FineTune,
     GraftInputs,
@@ -90,11 +96,14 @@ class GraftMergeMethod(GroupMergeMethod):
                 delta_tensors.append(entry.tensor)
             else:
                 raise GraftError(f"model {entry.id} has role {role!r}; roles are donor, donor_ft, delta")
-        if (donor is None and fine_tunes) or not (fine_tunes or deltas):
+        post_folder = resolve_model_folder(group.base.id.model.path, group.base.id.model.revision)
+        if donor is None and fine_tunes:  # base_model listed again as role donor: mergekit folds it into the base
+            donor, donor_folder = post, post_folder
+        if not (fine_tunes or deltas):
             raise GraftError("graft needs role delta inputs, or one role donor and at least one role donor_ft")
         plan = validated_plan(
             GraftPlan(
-                post=resolve_model_folder(group.base.id.model.path, group.base.id.model.revision),
+                post=post_folder,
                 donor=donor_folder,
                 fine_tunes=tuple(fine_tunes),
                 deltas=tuple(deltas),
@@ -105,6 +114,8 @@ class GraftMergeMethod(GroupMergeMethod):
                 mask=parameters["mask"],
             )
         )
+        if donor_folder == post_folder and not was_validated(plan):
+            raise GraftError("graft needs role delta inputs, or one role donor and at least one role donor_ft")
         return graft_tensor(plan, group.metadata.name, post, donor, fine_tune_tensors, delta_tensors)
 
     def _execute(self, groups, parameters, options, *, input_dtypes, out_dtype=None):

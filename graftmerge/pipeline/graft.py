@@ -60,6 +60,11 @@ def validated_plan(plan: GraftPlan) -> GraftPlan:
     return _VALIDATED_PLANS.get(_without_dtype(plan), plan)
 
 
+def was_validated(plan: GraftPlan) -> bool:
+    """Whether run_graft_merge validated this plan's config (a donor equal to the post model must come from one)."""
+    return _without_dtype(plan) in _VALIDATED_PLANS
+
+
 def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True, scratch: Path | None = None) -> None:
     """Everything a mask needs before the first tensor: the global threshold, or a value scan.
 

@@ -446,9 +446,10 @@ def plan_from_merge_config(config) -> GraftPlan:
     for entry in config.models:
         reference = entry.model
         label = str(reference)
-        if label in seen:
-            raise GraftError(f"model {label} is listed twice (as {seen[label]} and again); each input appears once")
         model_parameters = dict(entry.parameters or {})
+        if label in seen and not (seen[label] == "base_model" and model_parameters.get("role") == "donor"):
+            raise GraftError(f"model {label} is listed twice (as {seen[label]} and again); each input appears once "
+                             "(only the base_model may appear again, as role donor: that masks Δ = θft − θpost)")
         unknown = sorted(set(model_parameters) - set(MODEL_PARAMETERS))
         if unknown:
             raise GraftError(f"model {label}: unknown parameter(s) {', '.join(unknown)}; known: role, weight")
