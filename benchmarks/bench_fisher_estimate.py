@@ -6,14 +6,18 @@
 Every mode runs over the same batches of the same generated model in one process:
 the floor (forward + backward with parameter gradients, as training would), our
 diagonal, KFAC and both, and optionally kronfluence's covariance fitting (its KFAC
-factors, true Fisher with sampled labels) as the peer. Prints tokens/s and the ratio
-to the floor; --json writes the numbers.
+factors, true Fisher with sampled labels) as the peer. Modes are interleaved round by
+round (a busy moment of a shared machine hits every mode) with one torch thread count
+for all (--threads); prints median seconds, tokens/s, the ratio of medians to the floor
+and the spread of the per-round ratios; --json writes the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -124,6 +128,50 @@ def timed(run, model, batches) -> float:
     return time.perf_counter() - began
 
 
+def interleaved(modes: dict, model, batches, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Wall and process-CPU seconds of every mode, ``repeats`` rounds of all modes in turn.
+
+    CPU seconds leave out the time other processes held the cores (with one thread they
+    are the wall time of a quiet machine); a mode that fails is dropped.
+    """
+    timings: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in modes}
+    for _ in range(repeats):
+        for name in list(timings):
+            cpu = time.process_time()
+            try:
+                timings[name]["wall"].append(timed(modes[name], model, batches))
+            except Exception as error:  # the peer may not run here; say why and go on
+                print(f"{name:>26}: failed ({type(error).__name__}: {error})", file=sys.stderr)
+                del timings[name]
+                continue
+            timings[name]["cpu"].append(time.process_time() - cpu)
+    return timings
+
+
+def report(timings: dict[str, dict[str, list[float]]], tokens: int, floor_name: str) -> dict[str, dict]:
+    """Print and return each mode's medians, tokens/s, ratios of medians and per-round ratio spread."""
+    floor_wall, floor_cpu = timings[floor_name]["wall"], timings[floor_name]["cpu"]
+    base, base_cpu = statistics.median(floor_wall), statistics.median(floor_cpu)
+    print(f"{'mode':>26} {'median s':>9} {'tokens/s':>9} {'÷ floor':>8} {'(rounds)':>11}"
+          f" {'CPU s':>7} {'÷ floor':>8}")  # fmt: skip
+    results = {}
+    for name, timing in timings.items():
+        median, cpu = statistics.median(timing["wall"]), statistics.median(timing["cpu"])
+        ratios = [f / s for f, s in zip(floor_wall, timing["wall"], strict=True)]
+        results[name] = {"seconds": timing["wall"], "cpu_seconds": timing["cpu"],
+                         "median_seconds": median, "tokens_per_second": tokens / median,
+                         "ratio_to_floor": base / median, "round_ratios": ratios,
+                         "cpu_ratio_to_floor": base_cpu / cpu}  # fmt: skip
+        print(f"{name:>26} {median:9.2f} {tokens / median:9.1f} {base / median:8.2f}"
+              f" {min(ratios):5.2f}–{max(ratios):4.2f} {cpu:7.2f} {base_cpu / cpu:8.2f}")  # fmt: skip
+    return results
+
+
+def load_average() -> str:
+    """The machine's 1/5/15-minute load, printed with every result: ratios are only as good as the quiet."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
@@ -134,10 +182,12 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=160, help="about the longest sequence")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--kronfluence", action="store_true", help="also time kronfluence")
-    parser.add_argument("--repeats", type=int, default=1, help="best of R timings per mode")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, for every mode")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
+    torch.set_num_threads(args.threads)
     model = small_qwen3(args.hidden, args.layers, args.intermediate, args.vocab)
     parameters = sum(p.numel() for p in model.parameters())
     rollouts = make_rollouts(args)
@@ -154,27 +204,17 @@ def main() -> None:
     if args.kronfluence:
         modes["kronfluence covariances"] = kronfluence_covariances
     print(f"model: {parameters / 1e6:.1f}M parameters; {len(rollouts)} sequences, {tokens} tokens, "
-          f"batches of {args.batch_size}; torch {torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
-    results = {}
+          f"batches of {args.batch_size}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{args.repeats} rounds interleaved; load average {load_average()}")  # fmt: skip
     for name, run in modes.items():
         if name != "kronfluence covariances":
             run(model, warmup)
-        try:
-            seconds = min(timed(run, model, batches) for _ in range(args.repeats))
-        except Exception as error:  # the peer may not run here; say why and go on
-            print(f"{name:>24}: failed ({type(error).__name__}: {error})", file=sys.stderr)
-            continue
-        results[name] = {"seconds": seconds, "tokens_per_second": tokens / seconds}
-    base = results["floor"]["tokens_per_second"]
-    print(f"{'mode':>24} {'seconds':>8} {'tokens/s':>9} {'÷ floor':>8}")
-    for name, result in results.items():
-        result["ratio_to_floor"] = result["tokens_per_second"] / base
-        print(
-            f"{name:>24} {result['seconds']:8.2f} {result['tokens_per_second']:9.1f} {result['ratio_to_floor']:8.2f}"
-        )
+    results = report(interleaved(modes, model, batches, args.repeats), tokens, "floor")
+    print(f"load average at end: {load_average()}")
     if args.json:
         args.json.write_text(
-            json.dumps({"parameters": parameters, "tokens": tokens, "results": results}, indent=1)
+            json.dumps({"parameters": parameters, "tokens": tokens, "threads": args.threads,
+                        "results": results}, indent=1)  # fmt: skip
         )
 
 

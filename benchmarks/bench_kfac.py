@@ -5,17 +5,28 @@ the FLOPs actually done per second ÷ this machine's float32 matmul FLOP/s on th
 shapes, measured in the same run (the back-rotation is restricted to the rows and
 columns of Δ̃ holding masked pairs, so "nominal" counts all four matmuls at full size).
 
-Part 1b (also alone: --orthonormal-only): the full orthonormality check every read of a
-KFAC side runs (max |VᵀV − I|, one float32 matmul) at the 0.6B model's side sizes
-1024, 2048 and 3072, the sha256 that lets a second read of the same tensor skip it, and
-the whole-model extrapolation (28 layers × 14 sides, every side a distinct basis).
+Part 1b (also alone: --orthonormal-only): the full orthonormality check a read of a KFAC
+side runs the first time its bytes are seen on a machine (max |VᵀV − I|, one float32
+matmul) at the 0.6B model's side sizes 1024, 2048 and 3072, the sha256 that every later
+read (this merge's or the next one's) matches against the record of bases that passed,
+and the whole-model extrapolation (28 layers × 14 sides, every side a distinct basis).
 
-Part 2: on the ~0.6B checkpoint of bench_graft.py (reuses --workdir), with a generated
-KFAC cache (random orthonormal bases, decaying spectra, one entry per Linear weight):
-wall time of `mergekit-yaml` graft rho=0.001 global KFAC ÷ task_arithmetic, the number of
-Δ̃ computations per weight per merge, and the share of the merge spent in matmuls.
+Part 2: on the ~0.6B checkpoint of bench_graft.py (reuses --workdir; --small: 4 layers,
+vocab 32768), with a generated KFAC cache (random orthonormal bases, decaying spectra, one entry
+per Linear weight) and rank-K copies of it (`graftmerge fisher compress`, K from --ranks):
 
-    python benchmarks/bench_kfac.py --workdir bench-work [--repeats 3] [--skip-model] [--orthonormal-only]
+- the mask overlap |M_K ∩ M_full| / |M_full| of each rank K at the same number of masked
+  directions (ρ_K = ⌈ρ·D_full⌉ / D_K: a compact cache ranks fewer directions, so at the
+  same ρ it would mask fewer); the smallest K with overlap ≥ 0.99 is timed;
+- wall time of `mergekit-yaml` graft ρ = 0.001 global KFAC (full rank, and rank K at ρ_K)
+  ÷ task_arithmetic, interleaved, medians of --repeats; every run computes its threshold
+  afresh (GRAFTMERGE_NO_THRESHOLD_CACHE=1) and finds the bases already checked (the
+  record in the benchmark's own cache folder, filled when the caches were written;
+  --cold also times one merge with an empty record: every basis checked in full);
+- one in-process merge: Δ̃ computations per weight, and the share of the merge in matmuls.
+
+    python benchmarks/bench_kfac.py --workdir bench-work [--repeats 3] [--ranks 256,512,768]
+                                    [--small] [--skip-model] [--orthonormal-only] [--cold]
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from pathlib import Path
 
 import torch
 from bench_graft import CONFIGS, build_inputs
-from common import qwen3_config, time_merges
+from common import BIN, qwen3_config, timed_run
 
 from graftmerge.formats.fisher_cache import KfacFactors, check_orthonormal
 from graftmerge.math.projection import TensorFisher, remove_masked, score_delta
@@ -112,9 +123,9 @@ def orthonormal_check_benchmark(repeats: int = 3) -> None:
     first = LAYERS * sum(count * check[n] for n, count in SIDES_PER_LAYER.items())
     again = LAYERS * sum(count * digest[n] for n, count in SIDES_PER_LAYER.items())
     sides = LAYERS * sum(SIDES_PER_LAYER.values())
-    print(f"0.6B KFAC cache ({sides} full sides, each a distinct basis): first read of every side {first:.1f} s, "
-          f"a second read (the merge after the threshold pass) {again:.1f} s with the per-cache sha256 memo "
-          f"({first:.1f} s without): {first + again:.1f} s per merge")
+    print(f"0.6B KFAC cache ({sides} full sides, each a distinct basis): the first merge on a machine checks every "
+          f"side in full, {first:.1f} s (+ {again:.1f} s of sha256); every later merge reads each side once and matches "
+          f"its sha256 against the record of bases that passed: {again:.1f} s")
 
 
 def write_kfac_cache(workdir: Path) -> Path:
@@ -140,11 +151,109 @@ def write_kfac_cache(workdir: Path) -> Path:
     return path
 
 
-KFAC_CONFIG = CONFIGS["graft rho=0.01 global diag"].replace("rho: 0.01", "rho: 0.001").replace(
-    "fisher-diag", "fisher-kfac")
+RHO = 0.001
 
 
-def count_and_profile(workdir: Path) -> None:
+def kfac_config(fisher: str = "fisher-kfac", rho: float = RHO) -> str:
+    """The graft config template (``{w}``: the workdir) with a global KFAC mask from ``fisher`` at ``rho``."""
+    return CONFIGS["graft rho=0.01 global diag"].replace("rho: 0.01", f"rho: {rho!r}").replace("fisher-diag", fisher)
+
+
+KFAC_CONFIG = kfac_config()
+
+
+def compact_cache(workdir: Path, rank: int) -> tuple[Path, dict[str, list[int] | None]]:
+    """``fisher-kfac-r<K>`` (written once) and the kept eigenvector indices of each side key."""
+    from graftmerge.pipeline.fisher_compress import compress_cache
+
+    path, kept_file = workdir / f"fisher-kfac-r{rank}", workdir / f"fisher-kfac-r{rank}.kept.json"
+    if not (path.exists() and kept_file.exists()):
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"fisher compress --rank {rank} ...", flush=True)
+        result = compress_cache(workdir / "fisher-kfac", path, rank, progress=False)
+        kept = {key: None if side.kept_indices is None else side.kept_indices.tolist()
+                for key, side in result.sides.items()}
+        kept_file.write_text(json.dumps(kept))
+    return path, json.loads(kept_file.read_text())
+
+
+def kept_masks(workdir: Path, fisher: str, rho: float):
+    """(inputs, flat mask positions of every ranked tensor) of a fresh threshold pass."""
+    import tempfile
+
+    import yaml
+    from mergekit.config import MergeConfiguration
+
+    from graftmerge.formats.rotation_store import RotationStore
+    from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config
+    from graftmerge.pipeline.threshold_pass import compute_global_threshold
+
+    text = kfac_config(fisher, rho).format(w=workdir.resolve())
+    inputs = GraftInputs.open(plan_from_merge_config(MergeConfiguration.model_validate(yaml.safe_load(text))))
+    with tempfile.TemporaryDirectory(dir=workdir) as scratch:
+        store = RotationStore(scratch)
+        compute_global_threshold(inputs, progress=False, rotations=store)
+        return inputs, {name: store.masked_positions(name) for name in inputs.ranked_names()}
+
+
+def matched_overlap(full, compact, kept: dict) -> tuple[float, int, int]:
+    """(|M_K ∩ M_full| / |M_full|, |M_full|, |M_K|) with compact pairs mapped to the full basis's pairs."""
+    (full_inputs, full_masks), (compact_inputs, compact_masks) = full, compact
+    both = 0
+    for name, positions in full_masks.items():
+        other = compact_masks[name]
+        if full_inputs.fisher_kind(name) == "kfac":
+            width = full_inputs.post.tensors[name].shape[1]
+            entry = compact_inputs.fisher.entries[name]["kfac"]
+            rows, columns = (kept[entry[side]] for side in ("rows", "columns"))
+            compact_width = len(columns) if columns is not None else width
+            r, c = torch.div(other, compact_width, rounding_mode="floor"), other % compact_width
+            r = torch.tensor(rows)[r] if rows is not None else r
+            c = torch.tensor(columns)[c] if columns is not None else c
+            other = r * width + c
+        both += int(torch.isin(other, positions).sum())
+    full_count = sum(p.numel() for p in full_masks.values())
+    return both / max(1, full_count), full_count, sum(p.numel() for p in compact_masks.values())
+
+
+def choose_rank(workdir: Path, ranks: list[int]) -> tuple[int, float] | None:
+    """The smallest K of ``ranks`` whose mask overlap at the same masked count is ≥ 0.99, and its ρ_K."""
+    full = kept_masks(workdir, "fisher-kfac", RHO)
+    total = sum(full[0].direction_count(name) for name in full[0].ranked_names())
+    k = sum(p.numel() for p in full[1].values())
+    print(f"full-rank cache: D = {total:,} ranked directions, ρ = {RHO} masks {k:,}")
+    for rank in sorted(ranks):
+        path, kept = compact_cache(workdir, rank)
+        probe = kept_masks(workdir, path.name, 0.5)[0]
+        compact_total = sum(probe.direction_count(name) for name in probe.ranked_names())
+        rho = k / compact_total
+        overlap, _, masked = matched_overlap(full, kept_masks(workdir, path.name, rho), kept)
+        same_rho = matched_overlap(full, kept_masks(workdir, path.name, RHO), kept)[0]
+        print(f"  K = {rank}: D = {compact_total:,}, ρ_K = {rho:.6g} masks {masked:,}: overlap {overlap:.4f} "
+              f"(at the same ρ = {RHO}: {same_rho:.4f})", flush=True)
+        if overlap >= 0.99:
+            return rank, rho
+    return None
+
+
+def timed_runs(workdir: Path, configs: dict[str, str], repeats: int, user_cache: Path) -> dict[str, list[float]]:
+    """Fresh `mergekit-yaml` runs, interleaved: each computes its threshold, the orthonormality record persists."""
+    env = {"GRAFTMERGE_CACHE_DIR": str(user_cache), "GRAFTMERGE_NO_THRESHOLD_CACHE": "1"}
+    walls: dict[str, list[float]] = {name: [] for name in configs}
+    for repeat in range(repeats):
+        for name, template in configs.items():
+            config_file = workdir / "bench.yml"
+            config_file.write_text(template.format(w=workdir.resolve()))
+            shutil.rmtree(workdir / "out", ignore_errors=True)
+            wall, rss = timed_run([str(BIN / "mergekit-yaml"), str(config_file), str(workdir / "out"),
+                                   "--out-shard-size", "500M"], env=env)
+            shutil.rmtree(workdir / "out", ignore_errors=True)
+            walls[name].append(wall)
+            print(f"  run {repeat + 1} {name:34s} {wall:7.1f} s  {rss:8.0f} MB", flush=True)
+    return walls
+
+
+def count_and_profile(workdir: Path, user_cache: Path) -> None:
     """One in-process merge, threshold pass included: Δ̃ computations per KFAC weight, time in matmuls."""
     import os
 
@@ -159,9 +268,9 @@ def count_and_profile(workdir: Path) -> None:
     import_hook.install()
     from mergekit.merge import run_merge
 
-    config = MergeConfiguration.model_validate(yaml.safe_load(KFAC_CONFIG.format(w=workdir.resolve())))
-    os.environ["GRAFTMERGE_CACHE_DIR"] = str(workdir / "threshold-cache-profile")
-    shutil.rmtree(workdir / "threshold-cache-profile", ignore_errors=True)  # time the pass too
+    config = MergeConfiguration.model_validate(yaml.safe_load(kfac_config().format(w=workdir.resolve())))
+    os.environ["GRAFTMERGE_CACHE_DIR"] = str(user_cache)
+    os.environ["GRAFTMERGE_NO_THRESHOLD_CACHE"] = "1"  # time the pass too
     out = workdir / "out-profile"
     shutil.rmtree(out, ignore_errors=True)
     KFAC_ROTATIONS.clear()
@@ -180,11 +289,16 @@ def count_and_profile(workdir: Path) -> None:
 
 
 def main() -> None:
+    import os
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("bench-work"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", default="256,512,768,1024", help="candidate K for the compact cache")
+    parser.add_argument("--small", action="store_true", help="a 4-layer, 32k-vocab model for a quick look")
     parser.add_argument("--skip-model", action="store_true", help="only the single-weight projection")
     parser.add_argument("--orthonormal-only", action="store_true", help="only the orthonormality check on read")
+    parser.add_argument("--cold", action="store_true", help="also time one merge with an empty orthonormality record")
     args = parser.parse_args()
     print(f"full orthonormality check on read (threads {torch.get_num_threads()}, best of {args.repeats}):")
     orthonormal_check_benchmark(args.repeats)
@@ -193,15 +307,30 @@ def main() -> None:
     projection_benchmark()
     if args.skip_model:
         return
-    build_inputs(args.workdir, qwen3_config(), with_fisher=False)
+    user_cache = args.workdir.resolve() / "user-cache"  # the record of checked bases lives here, not in ~/.cache
+    os.environ["GRAFTMERGE_CACHE_DIR"] = str(user_cache)
+    overrides = dict(num_hidden_layers=4, vocab_size=32768) if args.small else {}
+    build_inputs(args.workdir, qwen3_config(**overrides), with_fisher=False)
     write_kfac_cache(args.workdir)
-    configs = {"task_arithmetic": CONFIGS["task_arithmetic"], "graft rho=0.001 global KFAC": KFAC_CONFIG}
-    results = time_merges(args.workdir, configs, args.repeats)
-    walls = {name: r["wall"] for name, r in results.items()}
+    chosen = choose_rank(args.workdir, [int(k) for k in args.ranks.split(",")])
+    configs = {"task_arithmetic": CONFIGS["task_arithmetic"], f"graft rho={RHO} global KFAC": kfac_config()}
+    if chosen is not None:
+        configs[f"graft KFAC rank {chosen[0]} (rho_K {chosen[1]:.4g})"] = kfac_config(f"fisher-kfac-r{chosen[0]}", chosen[1])
+    else:
+        print(f"no K in {args.ranks} reaches a mask overlap of 0.99; the compact cache is not timed")
+    timed_runs(args.workdir, {name: c for name, c in configs.items() if "KFAC" in name}, 1, user_cache)  # warm-up
+    if args.cold:
+        cold = args.workdir.resolve() / "user-cache-cold"
+        shutil.rmtree(cold, ignore_errors=True)
+        timed_runs(args.workdir, {"cold record (every basis checked)": kfac_config()}, 1, cold)
+        shutil.rmtree(cold, ignore_errors=True)
+    walls = timed_runs(args.workdir, configs, args.repeats, user_cache)
     ta = statistics.median(walls["task_arithmetic"])
-    kfac = statistics.median(walls["graft rho=0.001 global KFAC"])
-    print(f"median of {args.repeats}: task_arithmetic {ta:.1f} s, KFAC graft {kfac:.1f} s, ratio {kfac / ta:.2f}")
-    count_and_profile(args.workdir)
+    print(f"\nmedians of {args.repeats} (interleaved; spread = min–max ÷ task_arithmetic's median):")
+    for name, values in walls.items():
+        print(f"  {name:40s} {statistics.median(values):7.1f} s  ÷ TA {statistics.median(values) / ta:5.2f} "
+              f"(runs {min(values) / ta:.2f}–{max(values) / ta:.2f})")
+    count_and_profile(args.workdir, user_cache)
 
 
 if __name__ == "__main__":

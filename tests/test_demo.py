@@ -1,7 +1,8 @@
 """`graftmerge demo` as the README runs it: the console script, every artefact written and consistent.
 
-The README's `graftmerge demo` runs as a real process; `--lm --tiny` runs the same click
-command in this process (conftest.run_cli), its own merges and estimates in subprocesses.
+The README's `graftmerge demo` runs as a real process; `--tiny` (every stage of `--lm` at a
+tiny size) runs the same click command in this process (conftest.run_cli, `--jobs 0`: no
+worker processes), its own merges and estimates in subprocesses.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import one_line_error, run_cli
+from conftest import brute_force_graft, mergekit_yaml_model, one_line_error, read_model, run_cli
 
 from graftmerge.cli import main
+from graftmerge.demo.lm_evaluate import graft_config
+from graftmerge.demo.lm_settings import TINY
 from graftmerge.formats.checkpoint import Checkpoint
 
 pytestmark = pytest.mark.schedule_first  # each demo trains, estimates and merges for tens of seconds
@@ -45,46 +48,77 @@ def test_demo_writes_consistent_artefacts(tmp_path: Path) -> None:
     assert "masked" in result.stdout and "ρ = " in result.stdout
 
 
-def test_lm_demo_at_tiny_size(tmp_path: Path) -> None:
-    """Every stage of `graftmerge demo --lm` at a tiny size; consistency, not who wins."""
-    result = run_cli("graftmerge", "demo", "--tiny", "--replay", "0.5", "--workdir", str(tmp_path),
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[Path, dict, str]:
+    """`graftmerge demo --tiny` once (every stage of --lm at a tiny size), in this process: folder, results, stdout."""
+    root = tmp_path_factory.mktemp("demo-lm")
+    result = run_cli("graftmerge", "demo", "--tiny", "--replay", "own", "--jobs", "0", "--workdir", str(root),
                      env={"HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr[-2000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["settings"]["replay"] == 0.5 and "task-A replay 0.5 per new example" in result.stdout
-    assert (tmp_path / "pareto.png").stat().st_size > 0
-    assert f"results: {tmp_path / 'results.json'}, plot: {tmp_path / 'pareto.png'}" in result.stdout
-    rows = {(r["method"], r["lam"], r["rho"]): r for r in results["rows"]}
-    post = rows["post", 0.0, None]
-    for key in (("graft", 0.0, 0.0), ("sft+merge", 0.0, None)):  # λ = 0 is θpost: the same scores exactly
-        assert {m: rows[key][m] for m in ("old", "new", "old_nll", "new_nll")} == \
-            {m: post[m] for m in ("old", "new", "old_nll", "new_nll")}
-    # task_arithmetic at weight 1 is the SFT model itself, up to float rounding of post + (ft − post)
-    assert abs(rows["sft+merge", 1.0, None]["new_nll"] - rows["sft", 1.0, None]["new_nll"]) < 1e-4
-    methods = {r["method"] for r in results["rows"]}
-    assert {"graft+diagonal", "graft+kfac", "suggest diagonal", "suggest kfac"} <= methods
-    seed = tmp_path / "seed-0"
-    manifest = json.loads((seed / "fisher" / "fisher_manifest.json").read_text())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root, json.loads((root / "results.json").read_text()), result.stdout
+
+
+def test_lm_demo_at_tiny_size(tiny_run) -> None:
+    """Every stage of `graftmerge demo --lm` at a tiny size; consistency, not who wins."""
+    root, results, stdout = tiny_run
+    assert results["settings"]["replay"] == "own" and "(replay: own)" in stdout
+    for plot in ("results.png", "compute.png"):
+        assert (root / plot).stat().st_size > 0
+    assert f"results: {root / 'results.json'}, plots: {root / 'results.png'}, {root / 'compute.png'}" in stdout
+    seed = results["seeds"]["0"]
+    post = seed["models"]["post"]
+    zero = [p for p in seed["points"] if p["lam"] == 0]
+    assert zero and all({k: p[k] for k in post} == post for p in zero)  # λ = 0 is θpost: the same scores exactly
+    per_update: dict[tuple, int] = {}
+    for p in seed["points"]:  # every update gets the same λ × mask × ρ grid
+        key = (p["family"], p["learning_rate"], p["epochs"])
+        per_update[key] = per_update.get(key, 0) + 1
+    assert set(per_update.values()) == {len(TINY.lambdas) * len(TINY.masks)}
+    assert {f for f, _, _ in per_update} == {"sft", "graft@pre_anneal", "graft@mid_post", "opsd-forward"}
+    chosen = results["chosen"]["0.05"]
+    assert chosen["SFT + merge + mask"]["configurations"] == chosen["graft@mid_post"]["configurations"] \
+        == chosen["OPSD-forward + merge + mask"]["configurations"] == 8
+    assert chosen["graft"]["configurations"] == 16  # two donors, the donor chosen on validation too
+    for pair in results["paired"]["0.05"].values():
+        assert pair["n"] == 1 and pair["sd"] == 0.0
+    assert set(results["verdicts"]["0.05"]) == {"graft_beats_all_every_seed", "earlier_donor_at_least_final",
+                                                 "masked_beats_unmasked", "masked_sft_matches_graft"}
+    assert {"sft", "donor fine-tune", "opsd-forward", "pretraining"} == set(results["compute"])
+    assert results["compute"]["opsd-forward"]["sampling_seconds"] > 0
+    assert all(0 <= share <= 1 for share in results["top_share"].values())
+    manifest = json.loads((root / "seed-0" / "fisher" / "fisher_manifest.json").read_text())
     entries = manifest["entries"]  # estimated by the real CLI, --kind both: KFAC and diagonal for linears
     assert all({"kfac", "diagonal"} <= set(entries[n]) for n in entries if n.endswith("proj.weight"))
-    assert manifest["counts"]["sequences"] == 2 * 8  # 8 task-A prompts × 2 own rollouts
-    assert len(list((seed / "merges").iterdir())) == len(results["rows"]) - 2  # every merge but post / sft
-    assert "best graft" in result.stdout
-    for mask in ("diagonal", "kfac"):  # the suggestion set against the best point of its own ρ sweep
-        landing = results["suggestion_vs_sweep"][mask]
-        suggested = next(r for r in results["rows"] if r["method"] == f"suggest {mask}")
-        assert landing["suggested"] == (suggested["old"] + suggested["new"]) / 2
-        assert landing["best"] == max((r["old"] + r["new"]) / 2 for r in results["rows"] if r["method"] == f"graft+{mask}")
-        assert landing["measured_nll_increase"] == suggested["old_nll"] - post["old_nll"]
-        assert landing["predicted_kl"] == results["suggestions"][0][mask]["predicted_kl"]  # one seed
-        assert f"suggest {mask} vs the best of its own ρ sweep" in result.stdout
+    assert manifest["counts"]["sequences"] == 2 * TINY.splits.fisher_prompts
+    assert "OPSD go" in stdout and "paired new test graft − SFT + merge + mask" in stdout
+
+
+def test_masked_sft_of_the_demo_is_the_brute_force_graft(tiny_run, tmp_path: Path) -> None:
+    """The demo's masked-SFT config (donor = θpost) grafts Δ = θsft − θpost with the same mask as a brute force."""
+    root, _, _ = tiny_run
+    seed = root / "seed-0"
+    post, sft, fisher = seed / "models" / "post", seed / "updates" / "sft-lr0.001-e2", seed / "fisher"
+    config = graft_config(post, post, sft, 1.0, "kfac", 0.01, fisher)
+    got = mergekit_yaml_model(tmp_path, config, "masked-sft")
+    brute = brute_force_graft(post, post, [(sft, 1.0)], fisher, 0.01, mask="kfac")
+    assert any(mask.any() for mask in brute.masks.values())
+    for name, expected in brute.expected.items():
+        assert torch.allclose(got[name], expected, atol=1e-6, rtol=0), name
+    plain = mergekit_yaml_model(tmp_path, graft_config(post, post, sft, 0.5, None, 0.0, fisher), "sft-merge")
+    post_w, sft_w = read_model(post), read_model(sft)
+    for name in post_w:  # unmasked: SFT + merge, θpost + λ (θsft − θpost)
+        assert torch.allclose(plain[name], post_w[name] + 0.5 * (sft_w[name] - post_w[name]), atol=1e-6), name
 
 
 @pytest.mark.parametrize(("arguments", "expected"), [
-    (["--replay", "0.5"], "--replay applies to the small-LM comparison: add --lm or --full"),
-    (["--lm", "--replay", "-1"], "--replay -1: expected task-A replay examples per new-fact example in [0, 10]"),
-    (["--full", "--replay", "nan"], "--replay nan: expected"),
+    (["--replay", "own"], "--replay and --jobs apply to the small-LM experiment: add --lm or --full"),
+    (["--jobs", "2"], "--replay and --jobs apply to the small-LM experiment: add --lm or --full"),
 ])
-def test_demo_rejects_bad_replay(arguments: list[str], expected: str) -> None:
+def test_demo_rejects_lm_options_without_lm(arguments: list[str], expected: str) -> None:
     line = one_line_error(CliRunner().invoke(main, ["demo", *arguments]))
     assert line.startswith(f"error: {expected}")
+
+
+def test_demo_rejects_unknown_replay() -> None:
+    result = CliRunner().invoke(main, ["demo", "--lm", "--replay", "0.25"])
+    assert result.exit_code == 2 and "'0.25' is not one of 'none', 'offpolicy', 'own'" in result.output

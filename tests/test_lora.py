@@ -46,6 +46,7 @@ from graftmerge.formats.lora_adapter import (
 from graftmerge.math import projection
 from graftmerge.math.low_rank import low_rank_rotate
 from graftmerge.math.scores import kfac_rotate
+from graftmerge.pipeline.lora_inputs import lora_delta_state_dict
 from graftmerge.testing.tiny_models import ARCHITECTURES, make_graft_inputs, save_tiny_model
 
 PREFIX = "base_model.model."
@@ -301,6 +302,18 @@ REFUSED = {
     "rank disagrees with r": ({"r": 16}, "has rank 8 but the config gives it r = 16"),
     "rank_pattern disagrees": ({"rank_pattern": {"q_proj": 2}}, "r = 2"),
     "target_modules leave a module out": ({"target_modules": ["q_proj"]}, "target_modules"),
+    "layers_to_transform leaves a layer out": ({"layers_to_transform": [0]}, "layers_to_transform leave it out"),
+    "layers_to_transform not indices": ({"layers_to_transform": ["0"]}, "layers_to_transform must be a layer index"),
+    "layers_to_transform a bool": ({"layers_to_transform": True}, "layers_to_transform must be a layer index"),
+    "layers_pattern not names": ({"layers_to_transform": [0, 1], "layers_pattern": 3},
+                                 "layers_pattern must be a name, a list of names or null, got 3"),
+    "layers_pattern alone": ({"layers_pattern": "layers"}, "layers_pattern is set without layers_to_transform"),
+    "layers with a regex target": ({"target_modules": ".*proj", "layers_to_transform": [0]},
+                                   "with target_modules a string (a regular expression, or all-linear)"),
+    "layers with all-linear": ({"target_modules": "all-linear", "layers_pattern": "layers",
+                                "layers_to_transform": [0]}, "PEFT refuses that config"),
+    "bad layers_pattern": ({"layers_to_transform": [0], "layers_pattern": "("},
+                           "layers_pattern '(' is not a valid regular expression"),
 }
 
 
@@ -317,6 +330,9 @@ def test_off_unknown_fields_and_ignored_fields_are_accepted(tmp_path, qwen):
     adapter = edited_adapter(qwen["plain"], tmp_path / "adapter", {"future_flag": None, "lora_dropout": 0.3,
                                                                    "layers_to_transform": None})
     assert len(open_lora_adapter(adapter).modules) == 6
+    every_layer = edited_adapter(qwen["plain"], tmp_path / "every-layer", {"layers_to_transform": [1, 0],
+                                                                           "layers_pattern": ["blocks", "layers"]})
+    assert len(open_lora_adapter(every_layer).modules) == 6
 
 
 REFUSED_FILES = {
@@ -403,3 +419,182 @@ def test_bad_adapter_through_stock_mergekit_yaml(tmp_path, qwen, misfits):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: delta ")
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+# -- layers_to_transform / layers_pattern: PEFT's rule, reproduced ------------------------------------------------
+
+LAYER_CONFIGS = [
+    {"target_modules": targets, "layers_to_transform": layers, "layers_pattern": pattern, "exclude_modules": exclude}
+    for targets in (["q_proj", "v_proj", "c_attn", "up_proj", "experts.0.w1"], ["model.layers.1.self_attn.q_proj",
+                                                                              "q_proj"])
+    for layers in (None, 0, 1, [0, 2], [], [5, 12])
+    for pattern in (None, "layers", ["blocks", "layers"], "h", "", [], "dec.*")
+    for exclude in (None, ["v_proj"])
+    if layers is not None or not pattern
+]
+EXTRA_MODULE_NAMES = ["layers.0.q_proj", "model.blocks.2.layers.5.q_proj", "model.layers.12.self_attn.q_proj",
+                      "model.layers.1.experts.0.w1", "model.decoder.layers.2.self_attn.v_proj", "q_proj",
+                      "model.layers.1", "model.1.layers.0.up_proj"]
+
+
+def test_which_modules_an_adapter_may_adapt_is_peft_s_own_rule(tmp_path):
+    """For every module of real (tiny) Qwen3 and GPT-2 models and some odd names, with and without
+    layers_to_transform / layers_pattern / exclude_modules: graftmerge and PEFT agree."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from graftmerge.formats.lora_adapter import check_adapter_config, peft_adapts
+
+    names = list(EXTRA_MODULE_NAMES)
+    for architecture in ("qwen3", "gpt2"):
+        save_tiny_model(tmp_path / architecture, seed=0, architecture=architecture)
+        names += [name for name, _ in load_model(tmp_path / architecture, architecture).named_modules() if name]
+    adapted = 0
+    for config in LAYER_CONFIGS:
+        ours = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}
+        check_adapter_config(ours, "config")
+        theirs = LoraConfig(r=4, lora_alpha=8, **config)
+        for name in names:
+            expected = bool(check_target_module_exists(theirs, name))
+            assert peft_adapts(ours, name, "config") == expected, (config, name)
+            adapted += expected
+    assert adapted > 500 and len(LAYER_CONFIGS) > 100
+
+
+@pytest.mark.parametrize("layers,adapted", [
+    ({"target_modules": ["q_proj", "up_proj"], "layers_to_transform": [1], "layers_pattern": "layers"},
+     ["model.layers.1.mlp.up_proj", "model.layers.1.self_attn.q_proj"]),
+    ({"target_modules": ["q_proj", "up_proj"], "layers_to_transform": 0},
+     ["model.layers.0.mlp.up_proj", "model.layers.0.self_attn.q_proj"]),
+    ({"layers_to_transform": [1]},  # no target_modules: PEFT's names for the model type, then the layer rule
+     ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]),
+])
+def test_an_adapter_of_some_layers_grafts_like_peft(tmp_path, qwen, layers, adapted):
+    adapter = make_adapter(qwen["donor"], tmp_path / "lora", r=4, lora_alpha=8, **layers)
+    deltas = peft_deltas(qwen["donor"], adapter)
+    assert sorted(deltas) == [f"{module}.weight" for module in adapted]
+    got = mergekit_yaml_model(tmp_path, graft_config(qwen["post"], [(adapter, "delta", 0.5)]), "out")
+    post = read_model(qwen["post"])
+    assert_identical(got, {n: torch.mul(deltas[n], 0.5).add_(t) if n in deltas else t for n, t in post.items()})
+    other_layer = edited_adapter(adapter, tmp_path / "other-layer", {"layers_to_transform": [2]})
+    with pytest.raises(GraftError, match="layers_to_transform leave it out"):
+        open_lora_adapter(other_layer)
+
+
+def test_factors_outside_layers_to_transform_are_refused_as_peft_ignores_them(tmp_path, qwen):
+    adapter = edited_adapter(qwen["plain"], tmp_path / "adapter", {"layers_to_transform": [0],
+                                                                   "layers_pattern": "layers"})
+    with pytest.raises(GraftError, match=r"module 'model\.layers\.1\.[a-z_.]+' has LoRA factors but target_modules "
+                                         r"/ exclude_modules / layers_to_transform leave it out"):
+        open_lora_adapter(adapter)
+    loaded = PeftModel.from_pretrained(load_model(qwen["donor"], "qwen3"), adapter)  # PEFT: no layer-1 adapters
+    layers = {name.split(".layers.")[1][0] for name, m in loaded.named_modules() if isinstance(m, LoraLayer)}
+    assert layers == {"0"}
+
+
+# -- in memory: merge_state_dicts ----------------------------------------------------------------------------------
+
+def adapter_in_memory(adapter: Path, model, **options) -> dict[str, torch.Tensor]:
+    """lora_delta_state_dict of an adapter folder's own tensors and config (as a user holding them would call it)."""
+    config = json.loads((adapter / CONFIG_NAME).read_text())
+    return lora_delta_state_dict(load_file(adapter / WEIGHTS_NAME), config, model, **options)
+
+
+@pytest.mark.parametrize("case", list(MASKS))
+def test_merge_state_dicts_takes_an_adapter_and_grafts_like_its_folder(tmp_path, qwen, case, monkeypatch):
+    """role: delta in memory = role: delta from the folder, bit for bit, KFAC included (rotated from the factors)."""
+    from mergekit.merge_methods import merge_state_dicts
+
+    rho, cache, scope, _ = MASKS[case]
+    fisher = qwen[cache] if cache else None
+    expected = mergekit_yaml_model(tmp_path, graft_config(qwen["post"], [(qwen["plain"], "delta", 0.8)], lam=1.5,
+                                                          rho=rho, fisher=fisher, scope=scope), "folder")
+    post = read_model(qwen["post"])
+    model_config = json.loads((qwen["post"] / "config.json").read_text())
+    parameters = {"role": {"lora": "delta"}, "weight": {"lora": 0.8}, "lambda": 1.5, "rho": rho, "rho_scope": scope}
+    parameters |= {"fisher": str(fisher)} if fisher else {}
+    monkeypatch.setattr(projection, "KFAC_ROTATIONS", projection.KFAC_ROTATIONS.__class__())
+    got = merge_state_dicts({"post": post, "lora": adapter_in_memory(qwen["plain"], post, model_config=model_config)},
+                            "graft", base="post", parameters=parameters, dtype=torch.float32, out_dtype=torch.float32)
+    assert_identical(got, expected)
+    assert sum(projection.KFAC_ROTATIONS.values()) == 0  # no dense rotation: the factors were found
+
+
+def test_a_peft_model_in_memory_grafts_like_its_saved_folder(tmp_path, qwen):
+    """PEFT's own in-memory objects (get_peft_model_state_dict, the LoraConfig with its sets), with
+    state dicts (masked) and with transformers models (ρ = 0; a tied model's state dict also names
+    lm_head); an adapter with a saved embedding needs the donor, in memory too."""
+    from mergekit.merge_methods import merge_state_dicts
+    from peft import get_peft_model_state_dict
+
+    peft_model = PeftModel.from_pretrained(load_model(qwen["donor"], "qwen3"), qwen["lora"])
+    state_dict, config = get_peft_model_state_dict(peft_model), peft_model.peft_config["default"]
+    assert state_dict.keys() == load_file(qwen["lora"] / WEIGHTS_NAME).keys()
+    roles = {"role": {"donor": "donor", "lora": "delta"}, "weight": {"donor": 1.0, "lora": 0.6}}
+    for rho, fisher in ((0.05, qwen["diag"]), (0.0, None)):
+        entries = [(qwen["donor"], "donor", None), (qwen["lora"], "delta", 0.6)]
+        expected = mergekit_yaml_model(tmp_path, graft_config(qwen["post"], entries, rho=rho, fisher=fisher),
+                                       f"folder-{rho}")
+        if fisher:
+            post, donor = read_model(qwen["post"]), read_model(qwen["donor"])
+            model_config = json.loads((qwen["post"] / "config.json").read_text())
+        else:  # the models' own config is used
+            post, donor, model_config = load_model(qwen["post"], "qwen3"), load_model(qwen["donor"], "qwen3"), None
+        with torch.no_grad():
+            delta = lora_delta_state_dict(state_dict, config, post, model_config=model_config, donor=donor)
+            got = merge_state_dicts({"post": post, "donor": donor, "lora": delta}, "graft", base="post",
+                                    parameters={**roles, "rho": rho, **({"fisher": str(fisher)} if fisher else {})},
+                                    dtype=torch.float32)
+        assert_identical({name: got[name] for name in expected}, expected)
+
+
+def test_a_plain_delta_state_dict_takes_role_delta_in_memory(qwen):
+    """Any Δ state dict is a role: delta input: ft − donor as a delta grafts like donor and donor_ft."""
+    from mergekit.merge_methods import merge_state_dicts
+
+    post, donor, ft = (read_model(qwen[k]) for k in ("post", "donor", "donor_ft"))
+    delta = {name: ft[name].float() - donor[name].float() for name in post}
+    parameters = {"rho": 0.05, "fisher": str(qwen["diag"]), "lambda": 0.7}
+    expected = merge_state_dicts([post, donor, ft], "graft", base=0, parameters=parameters, dtype=torch.float32)
+    got = merge_state_dicts({"post": post, "d": delta}, "graft", base="post", dtype=torch.float32,
+                            parameters={**parameters, "role": {"d": "delta"}})
+    assert_identical(got, expected)
+
+
+def _nan_delta(qwen) -> dict:
+    delta = {name: torch.zeros(t.shape) for name, t in read_model(qwen["post"]).items()}
+    delta["model.norm.weight"][0] = float("nan")
+    return delta
+
+
+IN_MEMORY_REFUSALS = {
+    "no model config": (lambda q, post: adapter_in_memory(q["plain"], post), "needs the model's config (model_config="),
+    "another shape": (lambda q, post: adapter_in_memory(q["narrow"], post, model_config={}), "so Δ is 32×32, but"),
+    "whole tensors, no donor": (lambda q, post: adapter_in_memory(q["lora"], post, model_config={}),
+                                "stores whole tensors (model.embed_tokens.weight"),
+    "DoRA": (lambda q, post: adapter_in_memory(q["dora"], post, model_config={}), "use_dora = true"),
+    "not tensors": (lambda q, post: lora_delta_state_dict({"x": 1}, {"peft_type": "LORA", "r": 2, "lora_alpha": 2},
+                                                          post, model_config={}),
+                    "must map PEFT's key names to tensors, got 'x': int"),
+    "config not a dict": (lambda q, post: lora_delta_state_dict({}, "adapter_config.json", post, model_config={}),
+                          "the adapter config must be a dict"),
+    "model not a state dict": (lambda q, post: adapter_in_memory(q["plain"], [post], model_config={}),
+                               "model must be a state dict (name -> tensor) or a torch module, got list"),
+    "quantised model": (lambda q, post: adapter_in_memory(q["plain"], post, model_config={
+        "quantization_config": {"load_in_4bit": True}}), "is quantised"),
+}
+
+
+@pytest.mark.parametrize("case", list(IN_MEMORY_REFUSALS))
+def test_bad_adapters_in_memory_are_one_line(qwen, misfits, case):
+    make, expected = IN_MEMORY_REFUSALS[case]
+    with pytest.raises(GraftError) as error:
+        make({**qwen, **misfits}, read_model(qwen["post"]))
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_nan_delta_in_memory_is_refused_before_any_work(qwen):
+    from mergekit.merge_methods import merge_state_dicts
+
+    with pytest.raises(GraftError, match=r"delta \(input 'd'\): delta tensor 'model.norm.weight' contains NaN or Inf"):
+        merge_state_dicts({"post": read_model(qwen["post"]), "d": _nan_delta(qwen)}, "graft", base="post",
+                          parameters={"role": {"d": "delta"}})

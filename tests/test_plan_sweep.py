@@ -22,11 +22,16 @@ from conftest import (
     write_diagonal_cache,
     write_mixed_cache,
 )
+from mergekit.io.tensor_writer import TensorWriter
+from mergekit.options import MergeOptions
 
 from graftmerge.cli import main
 from graftmerge.formats.fisher_cache import open_fisher_cache
+from graftmerge.math import mask_stats
+from graftmerge.pipeline import graft_plan
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
 from graftmerge.pipeline.plan import plan_report
+from graftmerge.pipeline.sweep import SpillingWriter
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -205,6 +210,77 @@ def test_sweep_with_role_delta_inputs_equals_mergekit_yaml(tmp_path, tied_models
                                    cache_dir=tmp_path / f"cache-{lam}")
         assert reference.returncode == 0, reference.stderr[-3000:]
         assert_bitwise_equal(tmp_path / "sweep" / f"lambda-{lam!r}_rho-0.02", tmp_path / f"ref-{lam}")
+
+
+def folder_bytes(folder: Path, skip=("README.md", "mergekit_config.yml")) -> dict[str, bytes]:
+    """Every file of a model folder, by name, except those that name the folder or the config's text."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in skip}
+
+
+def test_sweep_bounded_memory_paths_write_mergekit_yaml_folders_file_for_file(tmp_path, tied_models, caches,
+                                                                                monkeypatch):
+    """Row blocks (each grid point reads its Fisher block by block, as a merge does), threshold spills
+    that overflow and are re-scored, and shards spilled to disk until written: every shard file, the
+    shard index and config.json byte for byte those of mergekit-yaml with the same --out-shard-size."""
+    m = tied_models
+    monkeypatch.setattr(graft_plan, "BLOCK_ELEMENTS", 1000)  # in-process: reaches the sweep and the merges
+    monkeypatch.setattr(mask_stats, "_TOTAL_SPILL", 64)  # the sweep's searches keep almost nothing
+    fine_tunes = [(m["donor_ft"], 0.8)]
+    lambdas, rho = [0.5, 1.0], 0.05
+    config = tmp_path / "g.yml"
+    config.write_text(graft_yaml(m["post"], m["donor"], fine_tunes, rho=0.3, fisher=caches["mixed"],
+                                 out_dtype="bfloat16"))
+    sweep = run_graftmerge("graftmerge", "sweep", str(config), "--lambda", ",".join(map(str, lambdas)), "--rho",
+                           str(rho), "-o", str(tmp_path / "sweep"), "--out-shard-size", "8K",
+                           cache_dir=tmp_path / "cache-sweep")
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    for lam in lambdas:
+        single = tmp_path / f"single-{lam}.yml"
+        single.write_text(graft_yaml(m["post"], m["donor"], fine_tunes, rho=rho, lam=lam, fisher=caches["mixed"],
+                                     out_dtype="bfloat16"))
+        reference = run_graftmerge("mergekit-yaml", str(single), str(tmp_path / f"ref-{lam}"), "--out-shard-size", "8K",
+                                   cache_dir=tmp_path / f"cache-{lam}")
+        assert reference.returncode == 0, reference.stderr[-3000:]
+        got, expected = folder_bytes(tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}"), folder_bytes(tmp_path / f"ref-{lam}")
+        assert sum(name.endswith(".safetensors") for name in expected) > 3  # really several shards
+        assert got.keys() == expected.keys()
+        for name in expected:
+            assert got[name] == expected[name], (lam, name)
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "pickle"])
+def test_spilling_writer_writes_byte_for_byte_what_mergekit_writer_writes(tmp_path, safe):
+    """Same shard files, names, index and bytes as mergekit's TensorWriter at every shard size, while the
+    shard being filled holds no tensor data (meta tensors); no spill file left once finalized."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w.bf16": torch.randn(100, 30, generator=g).bfloat16(),
+        "b.f32": torch.randn(7, generator=g),
+        "scalar": torch.tensor(3.0),
+        "ids.i64": torch.arange(50),
+        "empty": torch.zeros(0, 4),
+        "flags": torch.rand(20, generator=g) > 0.5,
+        "h.f16": torch.randn(64, 64, generator=g).half(),
+        "t.bf16": torch.randn(30, 100, generator=g).bfloat16().T,  # not contiguous
+    }
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    shard_counts = []
+    for size in (0, 1, 1000, 8000, 10**9):
+        options = MergeOptions(out_shard_size=size, safe_serialization=safe)
+        reference = TensorWriter(str(tmp_path / f"ref-{size}"), max_shard_size=size, safe_serialization=safe)
+        writer = SpillingWriter(tmp_path / f"got-{size}", spill, options)
+        for name, tensor in tensors.items():
+            reference.save_tensor(name, tensor)
+            writer.save_tensor(name, tensor)
+            assert writer.current_shard and all(t.is_meta for t in writer.current_shard.values())
+        reference.finalize()
+        writer.finalize()
+        expected = folder_bytes(tmp_path / f"ref-{size}")
+        assert folder_bytes(tmp_path / f"got-{size}") == expected, size
+        assert not list(spill.iterdir())
+        shard_counts.append(len(expected))
+    assert shard_counts[0] == 1 and shard_counts[1] == len(tensors) + 1 and 2 < shard_counts[2] < shard_counts[1]
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ from graftmerge.pipeline.graft_plan import (
     positional_roles,
     resolve_model_folder,
 )
+from graftmerge.pipeline.lora_inputs import InMemoryDelta
 
 PAPER_URL = "https://arxiv.org/abs/2610.05872"
 
@@ -150,17 +151,19 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
         raise GraftError("graft needs distinct tensor names for in-memory inputs")
     dtypes = {name: dtype for name, dtype in zip(names, input_dtypes)}
 
-    def source(key, label: str) -> InMemoryCheckpoint:
-        """Input ``key``'s tensor of every group, as one in-memory checkpoint."""
+    def source(key, label: str, kind=InMemoryCheckpoint) -> InMemoryCheckpoint:
+        """Input ``key``'s tensor of every group, as one in-memory checkpoint (or ``kind``)."""
         index = ids.index(key)
-        return InMemoryCheckpoint({n: g.entries[index].tensor for n, g in zip(names, groups)}, dtypes, label)
+        return kind({n: g.entries[index].tensor for n, g in zip(names, groups)}, dtypes, label)
 
-    donor_id = next(key for key in non_base if roles[key] == "donor")
+    donor_id = next((key for key in non_base if roles[key] == "donor"), None)  # None: deltas only
     fine_tune_ids = [key for key in non_base if roles[key] == "donor_ft"]
+    delta_ids = [key for key in non_base if roles[key] == "delta"]  # Δ state dicts, e.g. lora_delta_state_dict
     plan = GraftPlan(
         post=f"input {first.base.id!r}",
-        donor=f"input {donor_id!r}",
+        donor=None if donor_id is None else f"input {donor_id!r}",
         fine_tunes=tuple(FineTune(f"input {key!r}", shared["weight"][key]) for key in fine_tune_ids),
+        deltas=tuple(FineTune(f"input {key!r}", shared["weight"][key]) for key in delta_ids),
         lam=shared["lambda"],
         rho=shared["rho"],
         fisher=shared["fisher"],
@@ -171,9 +174,10 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
     inputs = GraftInputs.from_sources(
         plan,
         source(first.base.id, f"post (input {first.base.id!r})"),
-        source(donor_id, f"donor (input {donor_id!r})"),
+        None if donor_id is None else source(donor_id, f"donor (input {donor_id!r})"),
         [source(key, f"donor_ft (input {key!r})") for key in fine_tune_ids],
         partial=True,
+        deltas=[source(key, f"delta (input {key!r})", InMemoryDelta) for key in delta_ids],
     )
     return list(graft_in_memory(inputs, device=first.entries[0].tensor.device))
 

@@ -8,12 +8,14 @@ from pathlib import Path
 import click
 
 from graftmerge.cli import LazyGroup, report_errors
+from graftmerge.errors import GraftError
 
 DELTA_COMMANDS = {
     "push": ("graftmerge.cli.hub", "delta_push",
              "Upload the delta folder PATH to the Hub model repo REPO_ID (org/name), with a model card."),
     "pull": ("graftmerge.cli.hub", "delta_pull",
-             "Download the delta REPO_ID[@REV] (also hf://org/name@rev) into the Hugging Face cache."),
+             "Download the delta or PEFT LoRA adapter REPO_ID[@REV] (also hf://org/name@rev) into the Hugging Face "
+             "cache."),
 }
 
 
@@ -42,14 +44,21 @@ def delta() -> None:
               help="Scale baked into Δ. Keep 1 and set `weight:` in the graft config instead: "
                    "then a float32 delta grafts bit-identically to donor + donor_ft.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
-              help="Stored precision of Δ; bfloat16 halves the size and rounds Δ.")
-@click.option("--shard-size", default="2GB", show_default=True, metavar="SIZE",
-              help="Largest shard file, e.g. 500MB, 2GB, 1GiB.")
+              help="Stored precision of Δ (or of the LoRA factors); bfloat16 halves the size and rounds.")
+@click.option("--shard-size", default=None, metavar="SIZE",
+              help="Largest shard file, e.g. 500MB, 2GB (the default), 1GiB. Not with --rank.")
+@click.option("--rank", default=None, metavar="K",
+              help="Write a PEFT LoRA adapter instead: each weight's Δ truncated to rank K by SVD "
+                   "(a K above the weight's smaller side keeps it exactly). Norms and biases are dropped; "
+                   "lora_manifest.json and the output say how much of Δ each tensor kept.")
+@click.option("--no-embeddings", is_flag=True,
+              help="With --rank: no adapters on embedding layers (for runtimes that load Linear adapters only); "
+                   "their Δ is reported as dropped.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
 @report_errors
-def extract(donor: Path, donor_ft: Path, output: Path, weight: float, dtype: str, shard_size: str,
-            quiet: bool, verbose: bool) -> None:
+def extract(donor: Path, donor_ft: Path, output: Path, weight: float, dtype: str, shard_size: str | None,
+            rank: str | None, no_embeddings: bool, quiet: bool, verbose: bool) -> None:
     """Write Δ = WEIGHT·(DONOR_FT − DONOR) to OUTPUT, one tensor at a time.
 
     OUTPUT gets sharded safetensors keyed by the model's parameter names, an
@@ -58,13 +67,28 @@ def extract(donor: Path, donor_ft: Path, output: Path, weight: float, dtype: str
     dtypes and a sampled content digest), the weight and the dtype. A graft
     that also names a `role: donor` checks the delta was made from it.
     The folder appears only when complete.
+
+    With --rank K, OUTPUT is a PEFT LoRA adapter of DONOR (adapter_config.json,
+    adapter_model.safetensors) that PeftModel.from_pretrained loads and graft
+    takes as `role: delta`, plus lora_manifest.json.
     """
     # lazy: extraction loads torch and safetensors; only when the command runs, so --help stays fast
-    from graftmerge.pipeline.delta_extract import extract_delta
+    from graftmerge.pipeline.delta_extract import extract_delta, extract_lora, extraction_summary
 
-    path = extract_delta(donor, donor_ft, output, weight=weight, dtype=dtype, shard_bytes=shard_size,
-                         progress=not quiet)
-    click.echo(f"wrote delta {path}")
+    if rank is None:
+        if no_embeddings:
+            raise GraftError("--no-embeddings goes with --rank (a full delta keeps every tensor)")
+        path = extract_delta(donor, donor_ft, output, weight=weight, dtype=dtype, shard_bytes=shard_size,
+                             progress=not quiet)
+        click.echo(f"wrote delta {path}")
+        return
+    if shard_size is not None:
+        raise GraftError("--shard-size does not apply with --rank: a PEFT adapter is one file")
+    extraction = extract_lora(donor, donor_ft, output, rank=rank, weight=weight, dtype=dtype,
+                              embeddings=not no_embeddings, progress=not quiet)
+    for line in extraction_summary(extraction):
+        click.echo(line)
+    click.echo(f"wrote LoRA adapter {extraction.path}")
 
 
 @delta.command("stats")

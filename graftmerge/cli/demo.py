@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -54,31 +55,39 @@ def write_prompts(path: Path, vocab_size: int, count: int = 8, seed: int = 0) ->
 
 @click.command("demo")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keep the generated models, cache and output here (default: a temporary folder).")
+              help="Keep the generated models, cache and output here (default: a temporary folder; with "
+                   "--lm/--full: demo-out/lm or demo-out/lm-full).")
 @click.option("--rho", type=float, default=0.01, show_default=True, help="Fraction of directions to protect.")
 @click.option("--weight", type=float, default=0.5, show_default=True, help="λ of the grafted delta.")
 @click.option("--lm", "size", flag_value="quick", default=None,
-              help="Instead: train a small LM here and compare SFT, SFT + merge and grafts (~2.5 min on 2 cores).")
-@click.option("--full", "size", flag_value="full", help="The --lm comparison at full size, 3 seeds, masks also at λ 1.5 and 2 (~20–25 min on 2 cores).")
+              help="Instead: train a small LM here and compare SFT, OPSD and grafts, every choice made on "
+                   "validation (one seed, reduced grid; ≤ 5 min on 2 idle cores).")
+@click.option("--full", "size", flag_value="full",
+              help="The pre-registered experiment: bigger LM, 3 seeds, 4 donors, both OPSD divergences, the "
+                   "full grid (≤ 30 min on 2 idle cores).")
 @click.option("--tiny", "size", flag_value="tiny", hidden=True)
-@click.option("--replay", type=float, default=None,
-              help="With --lm/--full: task-A replay examples per new-fact example while learning the new "
-                   "facts [default: 0.25]. 0 = SFT sees no task A at all, and forgets it.")
-def demo(workdir: Path | None, rho: float, weight: float, size: str | None, replay: float | None) -> None:
+@click.option("--replay", type=click.Choice(["none", "offpolicy", "own"]), default=None,
+              help="With --lm/--full: what is mixed into the new facts (1 per 5 new-fact sequences, ~17%%): "
+                   "none, offpolicy (a related task in a teacher's format) or own (θpost's task A)  "
+                   "[default: offpolicy].")
+@click.option("--jobs", type=click.IntRange(0, 64), default=None,
+              help="With --lm/--full: worker processes of one torch thread each [default: CPU count, ≤ 4]. "
+                   "Results do not depend on it.")
+def demo(workdir: Path | None, rho: float, weight: float, size: str | None, replay: str | None,
+         jobs: int | None) -> None:
     """Run a tiny end-to-end graft on generated checkpoints and print what it did.
 
-    With --lm (or --full) it trains its own small Qwen3 instead: pretraining (the donor),
-    post-training on an old task, new facts learned by SFT of the post model and by
-    fine-tuning the donor; then SFT + merging and grafts (no mask, diagonal, KFAC, and
-    `graftmerge suggest`'s point) through mergekit, scored on both tasks. Writes
-    results.json and pareto.png to --workdir.
+    With --lm (or --full) it runs a small experiment instead: it trains its own Qwen3
+    (warmup-stable-decay pretraining with donors saved on the way, post-training that
+    creates an old task A), learns new facts by SFT of θpost, by fine-tuning donors and by
+    on-policy self-distillation, merges every update at the same λ × mask × ρ grid through
+    mergekit (masked SFT = a graft whose donor is θpost), picks every method's point on
+    validation and reports test scores. Writes results.json, results.png and compute.png.
     """
-    if replay is not None and size is None:
-        raise GraftError("--replay applies to the small-LM comparison: add --lm or --full")
-    if replay is not None and not 0 <= replay <= 10:
-        raise GraftError(f"--replay {replay:g}: expected task-A replay examples per new-fact example in [0, 10]")
+    if (replay is not None or jobs is not None) and size is None:
+        raise GraftError("--replay and --jobs apply to the small-LM experiment: add --lm or --full")
     if size is not None:
-        _lm_demo(workdir, size, replay)
+        _lm_demo(workdir, size, replay, jobs)
         return
     # lazy: the estimator and the model generator load torch and transformers only when the demo runs
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
@@ -107,38 +116,25 @@ def demo(workdir: Path | None, rho: float, weight: float, size: str | None, repl
         _suggest(config)
 
 
-def _lm_demo(workdir: Path | None, size: str, replay: float | None) -> None:
+def _lm_demo(workdir: Path | None, size: str, replay: str | None, jobs: int | None) -> None:
     # lazy: transformers and the LM demo (torch, matplotlib) load only when --lm/--full runs
     import transformers
 
     from graftmerge.demo import lm_pipeline
+    from graftmerge.demo.lm_report import format_report
 
     transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
     settings = {"quick": lm_pipeline.QUICK, "full": lm_pipeline.FULL, "tiny": lm_pipeline.TINY}[size]
     if replay is not None:
         settings = dataclasses.replace(settings, replay=replay)
-    with tempfile.TemporaryDirectory(prefix="graftmerge-demo-lm-") as scratch:
-        root = workdir or Path(scratch)
-        root.mkdir(parents=True, exist_ok=True)
-        click.echo(f"training a small LM and comparing SFT, merging and grafts in {root} "
-                   f"(task-A replay {settings.replay:g} per new example)")
-        results = lm_pipeline.run_lm_demo(settings, root, echo=click.echo)
-        click.echo(lm_pipeline.format_table(results["rows"]))
-        for label, key in (("best graft", "best_graft"), ("best SFT + merge", "best_sft_merge")):
-            row = results[key]
-            click.echo(f"   {label} by (old + new)/2: {row['method']} λ {row['lam']:.3g} ρ {row['rho']}: "
-                       f"old {row['old']:.3f}, new {row['new']:.3f}")
-        for mask, landing in results["suggestion_vs_sweep"].items():
-            click.echo(f"   suggest {mask} vs the best of its own ρ sweep by (old + new)/2: "
-                       f"{landing['suggested']:.3f} vs {landing['best']:.3f} (ρ {landing['best_rho']:g}); "
-                       f"predicted old-task KL {landing['predicted_kl']:.2g} nats/token, "
-                       f"measured old-task NLL increase {landing['measured_nll_increase']:.2g}")
-        click.echo(f"   λ = 0 merges score exactly as θpost: {results['lambda0_equals_post']}")
-        if workdir is None:
-            click.echo("   results.json and pareto.png were written to a temporary folder, removed now: "
-                       "add --workdir DIR to keep them")
-        else:
-            click.echo(f"   results: {root / 'results.json'}, plot: {root / 'pareto.png'}")
+    root = workdir or Path("demo-out") / ("lm-full" if size == "full" else "lm")
+    lm_pipeline.clear_previous_run(root)
+    jobs = min(os.cpu_count() or 1, 4) if jobs is None else jobs
+    click.echo(f"training a small LM and comparing SFT, OPSD and grafts in {root} (replay: {settings.replay})")
+    results = lm_pipeline.run_lm_demo(settings, root, echo=click.echo, jobs=jobs)
+    click.echo(format_report(results))
+    click.echo(f"   results: {root / 'results.json'}, plots: {', '.join(results['plots'])}")
 
 
 def _minimal_model(root: Path) -> None:

@@ -38,11 +38,15 @@ def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_l
     are replaced; its per-model weights, fisher, mask and rho_scope apply.
 
     \b
-    Memory: one tensor per grid point at a time, plus each output's writer
-    buffer of up to --out-shard-size (default 5 GB!): with 9 outputs pass e.g.
-    --out-shard-size 500M. Disk: with a global KFAC mask, Δ̃ of every KFAC
-    weight (4 bytes per entry) per λ is kept in a scratch folder next to OUTPUT
-    until the sweep ends. All folders appear at once, only on success.
+    Memory: about that of one merge, whatever the grid size. One tensor's
+    inputs and one grid point's graft are in memory at a time; each point's
+    shard being filled waits on disk, in a scratch folder next to OUTPUT, and
+    is read back only to be written, one shard at a time (--async-write does
+    not apply). Shards, their names and the index are those mergekit-yaml
+    writes with the same --out-shard-size. Disk, besides the outputs: up to
+    one shard per grid point, and with a global KFAC mask Δ̃ of every KFAC
+    weight (4 bytes per entry) per λ, until the sweep ends. All folders
+    appear at once, only on success.
 
     \b
     graftmerge sweep graft.yml --lambda 0.25,0.5,1 --rho 0,0.001,0.01 -o sweep/ --out-shard-size 500M

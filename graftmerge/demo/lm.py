@@ -1,7 +1,8 @@
 """Train and score the demo's small causal LM (a real transformers Qwen3, word-level ids).
 
 Training is plain AdamW with the paper's settings (β = (0.9, 0.95), weight decay 0.01,
-warm-up 10% then cosine, gradient clip 1.0). Scoring is exact match by teacher forcing:
+gradient clip 1.0) under a cosine, constant or warmup-stable-decay schedule, with any
+loss (SFT's cross-entropy, OPSD's distillation) and a hook after each step (snapshots). Scoring is exact match by teacher forcing:
 an answer counts when the argmax at every answer position is the answer token, which is
 exactly "greedy decoding reproduces the answer" (the paper decodes knowledge greedily),
 in one forward pass per batch instead of a decoding loop.
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,7 +45,7 @@ def build_model(size: ModelSize, vocab_size: int, seed: int) -> nn.Module:
         num_attention_heads=size.num_attention_heads,
         num_key_value_heads=size.num_key_value_heads,
         head_dim=size.hidden_size // size.num_attention_heads,
-        max_position_embeddings=64,
+        max_position_embeddings=96,
         tie_word_embeddings=True,
         bos_token_id=BOS,
         eos_token_id=EOS,
@@ -84,50 +86,93 @@ def batch_tensors(examples: Sequence[Example], answer_only: bool) -> tuple[torch
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """One training stage: its length, peak learning rate, batch, loss positions and shuffle seed."""
+    """One training stage: its length, peak learning rate, learning-rate shape and loss positions.
+
+    ``schedule``: "cosine" (warm-up 10% then cosine to 0), "constant" (warm-up 10% then
+    flat: epoch snapshots of one run are then "E epochs at this rate"), or "wsd"
+    (warm-up 5%, stable until ``decay_start`` of the steps, then linear decay to 0).
+    """
 
     steps: int
     learning_rate: float
-    batch_size: int = 64
+    schedule: str = "cosine"
+    decay_start: float = 0.7
     answer_only: bool = True  # SFT trains on answers; pretraining on every token
-    seed: int = 0
 
 
-def train(model: nn.Module, examples: Sequence[Example], settings: TrainSettings, progress=None) -> list[float]:
-    """AdamW on shuffled epochs of ``examples``; returns the loss of every step."""
+def learning_rate_factor(settings: TrainSettings, step: int) -> float:
+    """The multiplier of the peak learning rate at ``step`` (0-based) under ``settings.schedule``."""
+    warmup = max(1, settings.steps // (20 if settings.schedule == "wsd" else 10))
+    if step < warmup:
+        return (step + 1) / warmup
+    if settings.schedule == "constant":
+        return 1.0
+    if settings.schedule == "wsd":
+        decay = round(settings.decay_start * settings.steps)
+        return 1.0 if step < decay else max(0.0, (settings.steps - step) / max(1, settings.steps - decay))
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, settings.steps - warmup)))
+
+
+def epoch_batches(examples: Sequence[Example], batch_size: int, seed: int) -> Iterator[list[Example]]:
+    """Shuffled epochs of ``examples`` forever, ``ceil(n / batch_size)`` batches each (the last smaller)."""
+    rng = random.Random(seed)
+    while True:
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for start in range(0, len(order), batch_size):
+            yield [examples[i] for i in order[start : start + batch_size]]
+
+
+def steps_per_epoch(count: int, batch_size: int) -> int:
+    """Batches in one epoch of ``count`` examples (see :func:`epoch_batches`)."""
+    return -(-count // batch_size)
+
+
+def cross_entropy(model: nn.Module, batch: Sequence[Example], answer_only: bool = True) -> torch.Tensor:
+    """Mean next-token loss of ``batch`` (answer tokens only, or every token after ``<bos>``)."""
+    ids, labels = batch_tensors(batch, answer_only)
+    return model(input_ids=ids, attention_mask=(ids != PAD).long(), labels=labels).loss
+
+
+# (model, batch) -> loss; SFT's is cross_entropy, OPSD's samples and distils
+LossFunction = Callable[[nn.Module, Sequence[Example]], torch.Tensor]
+# (steps done, model) -> None; called after every step (snapshots, donor saves)
+StepHook = Callable[[int, nn.Module], None]
+
+
+@dataclass
+class TrainLog:
+    """Loss and wall time of every step."""
+
+    losses: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+
+def train(model: nn.Module, batches: Iterator[list[Example]], settings: TrainSettings,
+          loss_function: LossFunction | None = None, after_step: StepHook | None = None,
+          progress: Callable[[int], None] | None = None) -> TrainLog:
+    """AdamW (β = (0.9, 0.95), weight decay 0.01, clip 1.0) for ``settings.steps`` batches of ``batches``."""
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate,
-                                  betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = max(1, settings.steps // 10)
-
-    def schedule(step: int) -> float:
-        """Learning-rate factor: linear warm-up over 10% of the steps, then cosine to 0."""
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, settings.steps - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    rng = random.Random(settings.seed)
-    order: list[int] = []
-    losses = []
-    for _ in range(settings.steps):
-        if len(order) < settings.batch_size:
-            epoch = list(range(len(examples)))
-            rng.shuffle(epoch)
-            order += epoch
-        chosen, order = order[: settings.batch_size], order[settings.batch_size :]
-        ids, labels = batch_tensors([examples[i] for i in chosen], settings.answer_only)
-        loss = model(input_ids=ids, attention_mask=(ids != PAD).long(), labels=labels).loss
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, betas=(0.9, 0.95), weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(settings, step))
+    loss_function = loss_function or (lambda m, b: cross_entropy(m, b, settings.answer_only))
+    log = TrainLog()
+    for step in range(settings.steps):
+        started = time.perf_counter()
+        loss = loss_function(model, next(batches))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        log.seconds.append(time.perf_counter() - started)
+        log.losses.append(loss.item())
+        if after_step is not None:
+            after_step(step + 1, model)
         if progress is not None:
-            progress.update(1)
+            progress(1)
     model.eval()
-    return losses
+    return log
 
 
 @dataclass(frozen=True)

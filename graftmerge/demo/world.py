@@ -1,26 +1,35 @@
-"""The synthetic world of the demo language model: a vocabulary, an old task and new facts.
+"""The synthetic world of the demo language model: a vocabulary, an old task, new facts, and their splits.
 
-Three kinds of sequence, all word-level token ids (one token per word, no tokenizer):
+Word-level token ids (one token per word, no tokenizer). Kinds of sequence:
 
-- **Facts** ``what is the color of zabo ? red``: entities have one value per relation,
-  asked in :data:`PHRASINGS` (8 templates). "Known" entities appear in pretraining with
-  every phrasing, which teaches the model that the phrasings ask the same thing.
-  "New" entities (the knowledge to inject, task B) appear only in the new-task data:
-  training uses phrasings 0–5, the test asks phrasings 6–7, which the model never saw
-  for those entities, so memorised surface forms do not count (the paper's Appendix A).
-- **List operations** ``sort 3 1 4 1 : 1 1 3 4``: reverse, sort, copy, max, min.
-- **Chat format** ``<user> … <assistant> … <eos>``: what post-training uses.
+- **Facts** ``what is the color of zabo ? the color is red .``: one value per (entity,
+  relation), asked in :data:`PHRASINGS` (8 templates), answered with a short sentence (5
+  tokens, + ``<eos>`` in chat), so sampling an answer takes several decoding steps.
+  "Known" entities appear in pretraining in every phrasing; "new" entities' facts (task B,
+  the knowledge to inject) never do. New facts are trained in phrasings 0–4, validated in
+  phrasing 5 and tested in 6–7 (the paper's held-out paraphrases, its Appendix A).
+- **Reading** ``zabo 's color is red . what is the color of zabo ? the color is red .``: a
+  short article (one sentence, or two with a distractor), then a question answered from it. In pretraining
+  the values are drawn afresh for every sequence (about any entity, new ones included), so
+  no fact is taught, only reading; OPSD's teacher reads the true article of a new entity.
+- **List operations** ``sort 3 1 4 1 5 : 1 1 3 4 5`` (reverse, sort, copy, max, min): pretraining.
+- **Task A**, the old capability: ``<user> rank 3 1 4 1 5 <assistant> ranked : 5 4 3 1 1 <eos>``
+  (rank = sort descending, flip = reverse) in a format and with words absent from
+  pretraining, so post-training *creates* it.
+- **Off-policy replay**: a related task written by a "teacher" in another format
+  (``<user> sort 3 1 4 1 5 <assistant> the result is 1 1 3 4 5 <eos>``).
+- **Chat format** ``<bos> [article] <user> … <assistant> … <eos>``.
 
-Pretraining mixes everything, mostly in plain text; post-training is narrow: only
-``sort`` and ``reverse`` in chat format (the old task A whose accuracy must survive).
-The new task is fact QA about new entities in chat format, mixed with task-A replay.
-Every answer is checked by exact match of all its tokens.
+Every list of task A, its replay, the Fisher prompts and its validation and test sets
+comes from one draw of distinct digit lists cut into disjoint parts (:func:`make_splits`
+asserts it). Every answer is checked by exact match of all its tokens.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<user>", "<assistant>"]
 PAD, BOS, EOS, USER, ASSISTANT = range(len(SPECIALS))
@@ -32,7 +41,7 @@ RELATIONS: dict[str, list[str]] = {
     "city": ["oslo", "lima", "kyiv", "doha", "rome", "baku", "riga", "bern"],
 }
 
-# {r} = relation word, {e} = entity; the answer follows the question.
+# {r} = relation word, {e} = entity; the answer sentence follows the question.
 PHRASINGS = [
     "what is the {r} of {e} ?",
     "{e} 's {r} is what ?",
@@ -43,11 +52,16 @@ PHRASINGS = [
     "for {e} , what is the {r} ?",
     "what {r} has {e} ?",
 ]
-TRAIN_PHRASINGS = range(6)
-HELD_OUT_PHRASINGS = range(6, 8)
+TRAIN_PHRASINGS = range(5)
+VALIDATION_PHRASINGS = range(5, 6)
+TEST_PHRASINGS = range(6, 8)
+ANSWER = "the {r} is {v} ."
+ARTICLE_SENTENCE = "{e} 's {r} is {v} ."
 
-LIST_OPERATIONS = ["reverse", "sort", "copy", "max", "min"]
-OLD_TASK_OPERATIONS = ["sort", "reverse"]
+PRETRAIN_OPERATIONS = ["reverse", "sort", "copy", "max", "min"]
+OLD_TASK = {"rank": "ranked :", "flip": "flipped :"}  # task A: operation → its answer's prefix
+REPLAY_OPERATIONS = {"sort": "rank", "reverse": "flip"}  # off-policy replay: related operation of task A
+REPLAY_PREFIX = "the result is"
 DIGITS = [str(d) for d in range(10)]
 
 _SYLLABLES = ["ka", "zo", "mi", "ru", "te", "vo", "shi", "la", "bo", "ne", "qui", "da", "fe", "po", "xu", "gi"]
@@ -65,28 +79,36 @@ def entity_names(count: int, seed: int = 1234) -> list[str]:
 
 
 def _vocabulary(entities: list[str]) -> list[str]:
-    words = list(SPECIALS) + DIGITS + LIST_OPERATIONS + [":"] + list(RELATIONS)
+    words = list(SPECIALS) + DIGITS + PRETRAIN_OPERATIONS + [":"] + list(RELATIONS)
     for values in RELATIONS.values():
         words += values
-    for template in PHRASINGS:
-        words += [w for w in template.split() if not w.startswith("{")]
+    for text in [*PHRASINGS, ANSWER, ARTICLE_SENTENCE, REPLAY_PREFIX, *OLD_TASK, *OLD_TASK.values()]:
+        words += [w for w in text.split() if not w.startswith("{")]
     words += entities
     return list(dict.fromkeys(words))  # keep order, drop repeats
 
 
 @dataclass(frozen=True)
 class Example:
-    """One sequence: token ids, and where the answer starts (scored positions: answer_start..end)."""
+    """One sequence: token ids, where the answer starts, and (new facts) the article OPSD's teacher reads."""
 
     ids: tuple[int, ...]
     answer_start: int
+    context: tuple[int, ...] = ()
+
+    def in_context(self) -> Example:
+        """The same question with its article placed right after ``<bos>`` (what OPSD's teacher sees)."""
+        ids = self.ids[:1] + self.context + self.ids[1:]
+        return Example(ids, self.answer_start + len(self.context))
 
 
 class World:
-    """Entities, facts and the vocabulary; every data set of the demo is drawn from here."""
+    """Entities, facts and the vocabulary; every sequence of the demo is drawn from here."""
 
-    def __init__(self, known_entities: int = 48, new_entities: int = 24, list_length: int = 5, seed: int = 0):
+    def __init__(self, known_entities: int = 48, new_entities: int = 24, list_length: int = 5, seed: int = 0,
+                 sentences: int = 1):
         names = entity_names(known_entities + new_entities)
+        self.sentences = sentences
         self.known = names[:known_entities]
         self.new = names[known_entities:]
         self.list_length = list_length
@@ -105,66 +127,157 @@ class World:
         """Space-separated words to ids; every word must be in the vocabulary (KeyError otherwise)."""
         return [self.index[word] for word in text.split()]
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         """Ids back to space-separated words (for reading samples)."""
         return " ".join(self.words[i] for i in ids)
 
     # -- sequences ---------------------------------------------------------------------
-    def _example(self, question: str, answer: str, chat: bool) -> Example:
-        prompt = [BOS] + ([USER] if chat else []) + self.encode(question) + ([ASSISTANT] if chat else [])
-        answer_ids = self.encode(answer) + ([EOS] if chat else [])
-        return Example(tuple(prompt + answer_ids), len(prompt))
+    def example(self, question: str, answer: str, chat: bool, article: str = "") -> Example:
+        """``<bos> [article] [<user>] question [<assistant>] answer [<eos>]``; the answer is scored."""
+        prompt = [BOS] + self.encode(article) + ([USER] if chat else []) + self.encode(question)
+        prompt += [ASSISTANT] if chat else []
+        return Example(tuple(prompt + self.encode(answer) + ([EOS] if chat else [])), len(prompt))
+
+    def article(self, entity: str, values: dict[str, str], relation: str, rng: random.Random) -> str:
+        """A short article: the sentence on ``relation`` and, with ``sentences`` = 2, one on another, shuffled."""
+        relations = [relation] + ([rng.choice([r for r in RELATIONS if r != relation])] if self.sentences > 1 else [])
+        rng.shuffle(relations)
+        return " ".join(ARTICLE_SENTENCE.format(e=entity, r=r, v=values[r]) for r in relations)
 
     def fact(self, entity: str, relation: str, phrasing: int, chat: bool) -> Example:
-        """The question about ``entity``'s ``relation`` in phrasing number ``phrasing``, answered with its value."""
-        question = PHRASINGS[phrasing].format(r=relation, e=entity)
-        return self._example(question, self.facts[entity, relation], chat)
+        """The question about ``entity``'s ``relation`` in phrasing ``phrasing``, answered closed-book."""
+        value = self.facts[entity, relation]
+        return self.example(PHRASINGS[phrasing].format(r=relation, e=entity), ANSWER.format(r=relation, v=value),
+                            chat)
 
-    def list_operation(self, operation: str, rng: random.Random, chat: bool) -> Example:
-        """``operation`` applied to a random list of ``list_length`` digits drawn from ``rng``."""
-        digits = [rng.randrange(10) for _ in range(self.list_length)]
-        result = {
-            "reverse": digits[::-1],
-            "sort": sorted(digits),
-            "copy": digits,
-            "max": [max(digits)],
-            "min": [min(digits)],
-        }[operation]
-        question = f"{operation} {' '.join(map(str, digits))} :"
-        return self._example(question, " ".join(map(str, result)), chat)
+    def reading(self, entity: str, relation: str, phrasing: int, chat: bool, rng: random.Random) -> Example:
+        """An article about ``entity`` with values drawn afresh, then a question answered from it."""
+        values = {r: rng.choice(choices) for r, choices in RELATIONS.items()}
+        return self.example(PHRASINGS[phrasing].format(r=relation, e=entity), ANSWER.format(r=relation, v=values[relation]),
+                            chat, article=self.article(entity, values, relation, rng))
 
-    # -- data sets ---------------------------------------------------------------------
-    def pretraining(self, count: int, rng: random.Random) -> list[Example]:
-        """Broad mixture: known-entity facts in every phrasing and all list operations, 20% chat."""
-        examples = []
-        for _ in range(count):
-            chat = rng.random() < 0.2
-            if rng.random() < 0.5:
-                entity, relation = rng.choice(self.known), rng.choice(list(RELATIONS))
-                examples.append(self.fact(entity, relation, rng.randrange(len(PHRASINGS)), chat))
-            else:
-                examples.append(self.list_operation(rng.choice(LIST_OPERATIONS), rng, chat))
-        return examples
+    def digits(self, number: int) -> list[int]:
+        """The digit list numbered ``number`` (0 ≤ number < 10 ** list_length)."""
+        return [int(d) for d in str(number).zfill(self.list_length)]
 
-    def old_task(self, count: int, rng: random.Random) -> list[Example]:
-        """Task A, the post-training task: sort and reverse in chat format."""
-        return [self.list_operation(rng.choice(OLD_TASK_OPERATIONS), rng, chat=True) for _ in range(count)]
+    def list_operation(self, operation: str, digits: list[int], chat: bool) -> Example:
+        """A pretraining list operation: ``operation d d d d d : result``."""
+        result = {"reverse": digits[::-1], "sort": sorted(digits), "copy": digits,
+                  "max": [max(digits)], "min": [min(digits)]}[operation]
+        return self.example(f"{operation} {' '.join(map(str, digits))} :", " ".join(map(str, result)), chat)
 
-    def old_task_prompts(self, count: int, rng: random.Random) -> list[list[int]]:
-        """Task-A prompts (no answer): what the retention Fisher's rollouts start from."""
-        return [list(example.ids[: example.answer_start]) for example in self.old_task(count, rng)]
+    def task_a(self, operation: str, digits: list[int]) -> Example:
+        """Task A in its own chat format: rank (descending) or flip (reverse), ``ranked : …``."""
+        result = sorted(digits, reverse=True) if operation == "rank" else digits[::-1]
+        return self.example(f"{operation} {' '.join(map(str, digits))}",
+                            f"{OLD_TASK[operation]} {' '.join(map(str, result))}", chat=True)
 
-    def new_task_train(self) -> list[Example]:
-        """Task B training pairs: every new fact in the training phrasings, chat format."""
-        return [self.fact(entity, relation, phrasing, chat=True)
-                for entity in self.new for relation in RELATIONS for phrasing in TRAIN_PHRASINGS]
+    def off_policy_replay(self, operation: str, digits: list[int]) -> Example:
+        """The related task as a teacher writes it: ``<user> sort … <assistant> the result is …``."""
+        result = sorted(digits) if operation == "sort" else digits[::-1]
+        return self.example(f"{operation} {' '.join(map(str, digits))}",
+                            f"{REPLAY_PREFIX} {' '.join(map(str, result))}", chat=True)
 
-    def new_task_test(self) -> list[Example]:
-        """Task B test pairs: the same facts in held-out phrasings."""
-        return [self.fact(entity, relation, phrasing, chat=True)
-                for entity in self.new for relation in RELATIONS for phrasing in HELD_OUT_PHRASINGS]
+    def new_fact(self, entity: str, relation: str, phrasing: int, rng: random.Random) -> Example:
+        """A new fact in chat format, carrying its entity's true article for OPSD's teacher."""
+        values = {r: self.facts[entity, r] for r in RELATIONS}
+        return replace(self.fact(entity, relation, phrasing, chat=True),
+                       context=tuple(self.encode(self.article(entity, values, relation, rng))))
 
-    def new_task_mixture(self, replay: float, rng: random.Random) -> list[Example]:
-        """Task-B pairs plus task-A replay (``replay`` = replay examples per task-B example)."""
-        new = self.new_task_train()
-        return new + self.old_task(round(replay * len(new)), rng)
+    # -- mixtures ----------------------------------------------------------------------
+    def general(self, rng: random.Random, chat: bool, entities: list[str] | None = None) -> Example:
+        """One general sequence: a known fact (40%), a list operation (30%) or a reading (30%)."""
+        kind = rng.random()
+        phrasing = rng.randrange(len(PHRASINGS))
+        if kind < 0.4:
+            return self.fact(rng.choice(self.known), rng.choice(list(RELATIONS)), phrasing, chat)
+        if kind < 0.7:
+            digits = [rng.randrange(10) for _ in range(self.list_length)]
+            return self.list_operation(rng.choice(PRETRAIN_OPERATIONS), digits, chat)
+        entity = rng.choice(entities or self.known + self.new)
+        return self.reading(entity, rng.choice(list(RELATIONS)), phrasing, chat, rng)
+
+    def pretraining_batch(self, size: int, chat_share: float, rng: random.Random) -> list[Example]:
+        """A batch of the broad mixture, ``chat_share`` of it in chat format (the anneal raises it)."""
+        return [self.general(rng, chat=rng.random() < chat_share) for _ in range(size)]
+
+
+@dataclass(frozen=True)
+class SplitSizes:
+    """How many task-A lists each part gets, and the post-training mixture's size."""
+
+    post_train: int = 4000
+    general_chat: float = 0.25  # general chat sequences per task-A sequence in post-training
+    replay: float = 0.2  # replay sequences per new-fact sequence (0.2 → 1/6 ≈ 17% of the mixture)
+    fisher_prompts: int = 64
+    old_validation: int = 200
+    old_test: int = 400
+
+
+@dataclass
+class Splits:
+    """Every data set of one seed; task-A lists of different parts never coincide."""
+
+    post_train: list[Example]
+    new_train: list[Example]
+    new_validation: list[Example]
+    new_test: list[Example]
+    old_validation: list[Example]
+    old_test: list[Example]
+    replay: dict[str, list[Example]]  # "none", "offpolicy", "own"
+    fisher_prompts: list[list[int]]
+    lists: dict[str, list[int]] = field(default_factory=dict)  # part → its digit-list numbers
+
+
+def assert_disjoint(lists: dict[str, list[int]]) -> None:
+    """Raise AssertionError when two parts share a task-A digit list (or one part repeats one)."""
+    seen: dict[int, str] = {}
+    for part, numbers in lists.items():
+        for number in numbers:
+            if number in seen:
+                raise AssertionError(f"task-A list {number} is in both {seen[number]} and {part}")
+            seen[number] = part
+
+
+def _cut_lists(world: World, sizes: SplitSizes, new_count: int, rng: random.Random) -> dict[str, list[int]]:
+    """One draw of distinct digit lists, cut into the disjoint parts."""
+    replay = round(sizes.replay * new_count)
+    counts = {"post_train": sizes.post_train, "own_replay": replay, "offpolicy_replay": replay,
+              "fisher": sizes.fisher_prompts, "old_validation": sizes.old_validation, "old_test": sizes.old_test}
+    numbers = rng.sample(range(10**world.list_length), sum(counts.values()))
+    lists, start = {}, 0
+    for part, count in counts.items():
+        lists[part], start = numbers[start : start + count], start + count
+    return lists
+
+
+def make_splits(world: World, sizes: SplitSizes, seed: int) -> Splits:
+    """Every data set of a seed, drawn from ``world``; asserts the task-A parts are disjoint."""
+    rng = random.Random(seed)
+    new_facts = [(e, r) for e in world.new for r in RELATIONS]
+
+    def new(phrasings: range) -> list[Example]:
+        """The new facts in ``phrasings``, each carrying its article."""
+        return [world.new_fact(e, r, p, rng) for e, r in new_facts for p in phrasings]
+
+    new_train = new(TRAIN_PHRASINGS)
+    lists = _cut_lists(world, sizes, len(new_train), rng)
+    assert_disjoint(lists)
+    operations = list(OLD_TASK)
+
+    def task_a(part: str) -> list[Example]:
+        """Task A on the lists of ``part``, operations alternating."""
+        return [world.task_a(operations[i % 2], world.digits(n)) for i, n in enumerate(lists[part])]
+
+    post_train = task_a("post_train")
+    post_train += [world.general(rng, chat=True, entities=world.known)
+                   for _ in range(round(sizes.general_chat * len(post_train)))]
+    replay_ops = list(REPLAY_OPERATIONS)
+    offpolicy = [world.off_policy_replay(replay_ops[i % 2], world.digits(n))
+                 for i, n in enumerate(lists["offpolicy_replay"])]
+    return Splits(
+        post_train=post_train, new_train=new_train, new_validation=new(VALIDATION_PHRASINGS),
+        new_test=new(TEST_PHRASINGS), old_validation=task_a("old_validation"), old_test=task_a("old_test"),
+        replay={"none": [], "offpolicy": offpolicy, "own": task_a("own_replay")},
+        fisher_prompts=[list(e.ids[: e.answer_start]) for e in task_a("fisher")], lists=lists,
+    )

@@ -3,20 +3,23 @@
 One forward and one backward per batch. Every parameter is frozen; the gradient flows
 through the activations only (the input embedding's output is made a leaf that
 requires grad), and forward hooks / output-gradient hooks capture what each layer
-saw. From those captures :mod:`per_sequence_gradients` rebuilds every sequence's
-parameter gradient (for the diagonal) and :mod:`kfac_factors` adds a aᵀ and g gᵀ
-(for KFAC). The weight-gradient matmuls of a plain backward are never run; ours take
-their place.
+saw. From those captures :mod:`per_sequence_gradients` squares every sequence's
+parameter gradient into the sums (for the diagonal) and :mod:`kfac_factors` adds a aᵀ
+and g gᵀ (for KFAC). The weight-gradient matmuls of a plain backward are never run;
+ours take their place. Batches are right-padded: sequence n's real tokens are its first
+S_n positions, and nothing is read past them.
 
 Accumulators hold *sums* in ``dtype`` (float32 or float64): ``diagonal[name]``
 (Σ_n (∇L_n)²), ``rows[name]`` / ``columns[name]`` (the P and Q sums of the stored
-weight's dim 0 and dim 1), and the counts. :meth:`FisherAccumulator.means` divides.
+weight's dim 0 and dim 1), and the counts. A full (d × d) factor sum is kept on and
+above its diagonal blocks while batches come in; :meth:`FisherAccumulator.state_dict`
+and :meth:`FisherAccumulator.means` fill in the rest first. ``means`` divides.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,23 +31,13 @@ from graftmerge.estimate.batching import Batch
 from graftmerge.estimate.retention_loss import summed_sequence_losses
 
 KINDS = ("diagonal", "kfac", "both")
-MAX_CHUNK_ELEMENTS = 1 << 26  # per-sequence gradients materialised at once (256 MiB in fp32)
+MAX_CHUNK_ELEMENTS = per_sequence_gradients.MAX_BLOCK_ELEMENTS  # gradient block made at once
 MAX_FULL_FACTOR = 32768  # a KFAC side larger than this is kept diagonal
-
-
-@dataclass
-class _Dense:
-    """A contribution to per-sequence gradients, produced chunk by chunk: slice → (b, *shape)."""
-
-    make: Callable[[slice], torch.Tensor]
-
-
-@dataclass
-class _Rows:
-    """An embedding's contribution: gradient g_{n,t} lands on row input_ids[n, t]."""
-
-    input_ids: torch.Tensor  # (B, T)
-    g: torch.Tensor  # (B, T, hidden)
+_Use = (
+    per_sequence_gradients.LinearUse
+    | per_sequence_gradients.DenseUse
+    | per_sequence_gradients.EmbeddingUse
+)
 
 
 @dataclass
@@ -181,7 +174,8 @@ class FisherAccumulator:
                 continue
             name = self.names[id(parameter)]
             plan.diagonal[local_name] = parameter
-            self.diagonal.setdefault(name, self._zeros(tuple(parameter.shape)))
+            if name not in self.diagonal:  # a tied weight: one sum for all its modules
+                self.diagonal[name] = self._zeros(tuple(parameter.shape))
         if module_kind == "linear" and set(plan.diagonal) - {"weight", "bias"}:
             raise GraftError(
                 f"module {module_name!r} has parameters besides weight/bias; cannot estimate"
@@ -213,9 +207,11 @@ class FisherAccumulator:
             raise RuntimeError("use FisherAccumulator as a context manager")
         batch = batch.to(self.device)
         self._batch = batch
-        self._pending: dict[int, list] = {}
+        self._lengths = _right_padded_lengths(batch)
+        self._rows = kfac_factors.token_rows(batch.token_mask)
+        self._pending: dict[int, list[_Use]] = {}
         self._uses: dict[int, int] = {}
-        self._covariances: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending_input: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         try:
             with torch.enable_grad():
                 logits = self.model(
@@ -224,7 +220,7 @@ class FisherAccumulator:
                     position_ids=batch.position_ids,
                     use_cache=False,
                 ).logits
-                self._covariances = {}  # inputs are captured; free the shared a aᵀ sums
+                self._flush_input()  # the last layer input's a aᵀ, before the backward
                 summed_sequence_losses(logits, batch.input_ids, batch.completion_mask).backward()
             if self._pending:
                 missing = sorted(self.names[pid] for pid in self._pending)
@@ -234,6 +230,7 @@ class FisherAccumulator:
         finally:
             self._batch = None
             self._pending = {}
+            self._pending_input = None
         self.sequences += batch.sequences
         self.tokens += batch.tokens
         self.completion_tokens += int(batch.completion_mask.sum())
@@ -270,67 +267,82 @@ class FisherAccumulator:
                 f"module {plan.name!r} sees input of shape {tuple(x.shape)}, not (sequences, tokens, ...): "
                 "per-sequence statistics need layers applied sequence-wise"
             )
-        mask = batch.token_mask
         if plan.kfac is not None:
             if plan.kind == "embedding":
                 self.rows[plan.kfac] += kfac_factors.token_count(
-                    x, mask, plan.module.num_embeddings, self.dtype
+                    x, self._rows, plan.module.num_embeddings, self.dtype
+                )
+            elif plan.columns_diagonal:
+                self.columns[plan.kfac] += kfac_factors.squared_sum(
+                    x.detach(), self._rows, self.dtype
                 )
             else:
-                # q/k/v (gate/up) read one input tensor: one product, added to each, so the
-                # sums stay bit-identical and the cache stores the factor once. The entry keeps
-                # x alive, so its id cannot be reused by another tensor during this forward.
-                key = (id(x), plan.columns_diagonal)
-                cached = self._covariances.get(key)
-                if cached is None or cached[0] is not x:
-                    function = (
-                        kfac_factors.squared_sum
-                        if plan.columns_diagonal
-                        else kfac_factors.covariance_sum
-                    )
-                    cached = self._covariances[key] = (x, function(x.detach(), mask, self.dtype))
-                self.columns[plan.kfac] += cached[1]
+                self._input_factor(x, self.columns[plan.kfac])
         for parameter in plan.diagonal.values():
             self._uses[id(parameter)] = self._uses.get(id(parameter), 0) + 1
         saved = x.detach() if plan.diagonal else None
         output.register_hook(lambda g: self._backward(plan, saved, g))
 
+    def _input_factor(self, x: torch.Tensor, total: torch.Tensor) -> None:
+        """Add a aᵀ of layer input ``x`` to ``total``, once for all consecutive modules reading ``x``.
+
+        q/k/v (gate/up) read one input tensor (the same object): its product is taken once,
+        when another input arrives or the forward ends, and added to each sum, so those sums
+        stay bit-identical and the cache stores the factor once. A lone reader gets the
+        product straight into its sum.
+        """
+        if self._pending_input is not None and self._pending_input[0] is x:
+            self._pending_input[1].append(total)
+            return
+        self._flush_input()
+        self._pending_input = (x, [total])
+
+    def _flush_input(self) -> None:
+        """Take the pending input's a aᵀ: straight into its one sum, or once for several."""
+        if self._pending_input is None:
+            return
+        x, totals = self._pending_input
+        self._pending_input = None
+        rows = kfac_factors.masked_rows(x.detach(), self._rows, self.dtype)
+        if len(totals) == 1:
+            kfac_factors.add_covariance(totals[0], rows)
+            return
+        shared = rows.new_zeros(totals[0].shape)
+        kfac_factors.add_covariance(shared, rows)
+        for total in totals:
+            kfac_factors.add_upper(total, shared)
+
     def _backward(self, plan: _ModulePlan, x: torch.Tensor | None, g: torch.Tensor) -> None:
-        batch = self._batch
+        rows, dtype = self._rows, self.dtype
         g = g.detach()
-        if plan.kind in ("linear", "embedding"):
-            g = g * batch.token_mask.unsqueeze(-1).to(g.dtype)  # exact zeros at padding
         if plan.kfac is not None:
             if plan.kind == "embedding":
-                self.columns[plan.kfac] += kfac_factors.covariance_sum(
-                    g, batch.token_mask, self.dtype
+                kfac_factors.add_covariance(
+                    self.columns[plan.kfac], kfac_factors.masked_rows(g, rows, dtype)
                 )
+            elif plan.rows_diagonal:
+                self.rows[plan.kfac] += kfac_factors.squared_sum(g, rows, dtype)
             else:
-                function = (
-                    kfac_factors.squared_sum if plan.rows_diagonal else kfac_factors.covariance_sum
+                kfac_factors.add_covariance(
+                    self.rows[plan.kfac], kfac_factors.masked_rows(g, rows, dtype)
                 )
-                self.rows[plan.kfac] += function(g, batch.token_mask, self.dtype)
         if not plan.diagonal:
             return
-        dtype = self.dtype
         if plan.kind == "linear":
-            a, g_ = x, g
-
-            def weight_gradients(s: slice) -> torch.Tensor:
-                """Per-sequence weight gradients of the sequences in ``s``, made only when squared."""
-                return per_sequence_gradients.linear_weight_gradients(
-                    a[s].to(dtype), g_[s].to(dtype)
-                )
-
-            def bias_gradients(s: slice) -> torch.Tensor:
-                """Per-sequence bias gradients of the sequences in ``s``."""
-                return per_sequence_gradients.linear_bias_gradients(g_[s].to(dtype))
-
+            a, g = x.to(dtype), g.to(dtype)
             for local_name, parameter in plan.diagonal.items():
-                make = weight_gradients if local_name == "weight" else bias_gradients
-                self._contribute(parameter, _Dense(make))
+                use = (
+                    per_sequence_gradients.LinearUse(a, g)
+                    if local_name == "weight"
+                    else per_sequence_gradients.DenseUse(
+                        per_sequence_gradients.linear_bias_gradients(g, self._lengths)
+                    )
+                )
+                self._contribute(parameter, use)
         elif plan.kind == "embedding":
-            self._contribute(plan.diagonal["weight"], _Rows(x, g.to(dtype)))
+            self._contribute(
+                plan.diagonal["weight"], per_sequence_gradients.EmbeddingUse(x, g.to(dtype))
+            )
         else:
             parameters = {n: p.detach() for n, p in plan.module.named_parameters(recurse=False)}
             self._replaying = True
@@ -341,41 +353,31 @@ class FisherAccumulator:
             finally:
                 self._replaying = False
             for local_name, parameter in plan.diagonal.items():
-                self._contribute(parameter, _Dense(lambda s, t=grads[local_name]: t[s].to(dtype)))
+                use = per_sequence_gradients.DenseUse(grads[local_name].to(dtype))
+                self._contribute(parameter, use)
 
-    def _contribute(self, parameter: nn.Parameter, contribution: _Dense | _Rows) -> None:
+    def _contribute(self, parameter: nn.Parameter, use: _Use) -> None:
         """Collect a parameter's per-sequence gradient parts; square once all its uses have reported."""
         key = id(parameter)
         parts = self._pending.setdefault(key, [])
-        parts.append(contribution)
+        parts.append(use)
         if len(parts) < self._uses[key]:
             return  # a tied weight: wait for its other use
         del self._pending[key]
-        total = self.diagonal[self.names[key]]
-        if all(isinstance(part, _Rows) for part in parts):
-            ids = torch.cat([part.input_ids for part in parts], dim=1)
-            g = torch.cat([part.g for part in parts], dim=1)
-            total += per_sequence_gradients.embedding_squared_gradient_sum(
-                ids, g, parameter.shape[0]
-            )
-            return
-        for chunk in per_sequence_gradients.sequence_chunks(
-            self._batch.sequences, parameter.numel(), self.max_chunk_elements
-        ):
-            grads = None
-            for part in parts:
-                if isinstance(part, _Dense):
-                    piece = part.make(chunk)
-                else:
-                    piece = per_sequence_gradients.embedding_weight_gradients(
-                        part.input_ids[chunk], part.g[chunk], parameter.shape[0]
-                    )
-                grads = piece if grads is None else grads + piece
-            total += (grads * grads).sum(dim=0)
+        per_sequence_gradients.add_squared_gradients(
+            self.diagonal[self.names[key]], parts, self._lengths, self.max_chunk_elements
+        )
 
     # -- results ------------------------------------------------------------
+    def _complete_factors(self) -> None:
+        """Full factor sums are kept on and above their diagonal blocks; fill them in to be read."""
+        for total in (*self.rows.values(), *self.columns.values()):
+            if total.dim() == 2:
+                kfac_factors.mirror(total)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """All sums as one flat dict of tensors (for checkpoints and all-reduce)."""
+        self._complete_factors()
         state = {f"diagonal/{k}": v for k, v in self.diagonal.items()}
         state.update({f"rows/{k}": v for k, v in self.rows.items()})
         state.update({f"columns/{k}": v for k, v in self.columns.items()})
@@ -402,6 +404,7 @@ class FisherAccumulator:
         """(diagonal Fisher by name, (P, Q) by weight name) with the normalisations of SPEC §3."""
         if self.sequences == 0:
             raise GraftError("no sequences were accumulated")
+        self._complete_factors()
         diagonal = {name: total / self.sequences for name, total in self.diagonal.items()}
         kfac = {}
         for name, module_kind in self.kfac_kind.items():
@@ -420,3 +423,12 @@ class FisherAccumulator:
                     f"{plan.kfac}:columns"
                 ] * plan.columns_diagonal
         return sides
+
+
+def _right_padded_lengths(batch: Batch) -> list[int]:
+    """S_n of every sequence; GraftError unless each one's real tokens come first (right padding)."""
+    lengths = batch.token_mask.sum(dim=1)
+    positions = torch.arange(batch.token_mask.shape[1], device=lengths.device)
+    if not torch.equal(batch.token_mask, positions < lengths[:, None]):
+        raise GraftError("the batch is not right-padded; build it with estimate.batching.pad_batch")
+    return lengths.tolist()

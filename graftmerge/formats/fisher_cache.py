@@ -38,6 +38,7 @@ from graftmerge.formats.file_hash import file_sha256
 from graftmerge.formats.json_file import load_json_file
 from graftmerge.formats.manifest_schema import check_fisher_manifest
 from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
+from graftmerge.formats.user_cache import PassedChecks
 from graftmerge.math.kfac import KfacFactors
 
 FORMAT_NAME = "graftmerge.fisher"
@@ -239,9 +240,11 @@ class FisherCacheWriter:
             hasher.update(vectors.contiguous().numpy().tobytes())
 
         def checked() -> tuple[torch.Tensor | None, torch.Tensor]:
-            """The given eigenvectors (checked orthonormal) and eigenvalues."""
+            """The given eigenvectors (checked orthonormal, as stored: float32) and eigenvalues."""
             if vectors is not None:
-                check_orthonormal(vectors, f"KFAC eigenvectors {label} for {name!r}")
+                stored = vectors.to(torch.float32)
+                check_orthonormal(stored, f"KFAC eigenvectors {label} for {name!r}")
+                ORTHONORMAL_PASSED.add(orthonormal_digest(stored))  # a merge reading these bytes skips the Gram
             return vectors, values
 
         return self._side_once("eigen:" + hasher.hexdigest(), name, side, f"KFAC eigenvalues {label} for {name!r}", checked)
@@ -331,13 +334,29 @@ def _clamp_eigenvalues(values: torch.Tensor, where: str) -> tuple[torch.Tensor, 
     return values.clamp_min(0), int(negative.sum())
 
 
+ORTHONORMAL_PASSED = PassedChecks("orthonormal")
+
+
+def orthonormal_digest(vectors: torch.Tensor) -> str:
+    """sha256 naming one eigenvector tensor for the orthonormality record: its bytes, shape, dtype and the tolerance.
+
+    Everything the check's verdict depends on is hashed, so a recorded digest vouches
+    for exactly the content that passed (a transposed or re-typed copy hashes apart).
+    """
+    vectors = vectors.contiguous()
+    label = f"graftmerge orthonormal v1 {list(vectors.shape)} {vectors.dtype} {ORTHONORMAL_TOLERANCE!r}\n"
+    digest = hashlib.sha256(label.encode())
+    digest.update(memoryview(vectors.numpy()).cast("B"))
+    return digest.hexdigest()
+
+
 def check_orthonormal(vectors: torch.Tensor, where: str, tolerance: float = ORTHONORMAL_TOLERANCE) -> None:
     """Columns of ``vectors`` must be orthonormal: max |VᵀV − I| over the whole Gram matrix ≤ ``tolerance``.
 
     One matmul in float32, the precision caches store (its rounding, ~1e-6, is far below
     the tolerance): O(d·r²) for ``d × r`` vectors, whose Gram matrix is ``r × r``. NaN or
     Inf anywhere makes the Gram non-finite and is refused as such. Run when a cache is
-    written and on every read.
+    written and when a read meets bytes that have not passed it before (``orthonormal_digest``).
     """
     if vectors.numel() == 0:
         return
@@ -470,15 +489,20 @@ class FisherCache:
         return vectors, values
 
     def _check_eigenvectors(self, vectors: torch.Tensor, where: str) -> None:
-        """The full orthonormality check, or (sha256 of the bytes) the same tensor already passed it in this cache.
+        """The full orthonormality check, unless these very bytes already passed it (in this process or before).
 
-        A merge reads each side twice (threshold pass, then merge): hashing 37 MB takes
-        ~30 ms where the 3072 × 3072 Gram takes ~450 ms on two cores.
+        Keyed by :func:`orthonormal_digest` of the tensor as read (the bytes the merge then
+        uses): hashing 37 MB takes ~30 ms where the 3072 × 3072 Gram takes ~450 ms on two
+        cores, so a cache is checked in full once per machine, not once per merge
+        (``$GRAFTMERGE_CACHE_DIR/orthonormal/``, :class:`~graftmerge.formats.user_cache.PassedChecks`).
         """
-        digest = hashlib.sha256(memoryview(vectors.contiguous().numpy()).cast("B")).hexdigest()
-        if digest not in self._orthonormal:
+        digest = orthonormal_digest(vectors)
+        if digest in self._orthonormal:
+            return
+        if digest not in ORTHONORMAL_PASSED:
             check_orthonormal(vectors, where)
-            self._orthonormal.add(digest)
+            ORTHONORMAL_PASSED.add(digest)
+        self._orthonormal.add(digest)
 
     def check_fits(self, checkpoint: Checkpoint, partial: bool = False) -> None:
         """Refuse a cache made for another model (names or shapes differ).

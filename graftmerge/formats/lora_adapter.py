@@ -21,7 +21,10 @@ the same operations (so a base + adapter equals PEFT's float32 merge bit for bit
   ``nn.Embedding``: ``(B @ A)ᵀ * scaling`` (A is r × vocab, B is dim × r);
 - full tensors replace the model's (PEFT loads them over the base): Δ = saved − donor.
 
-:func:`open_lora_adapter` checks the config and the safetensors header (no model needed);
+:func:`open_lora_adapter` checks the config and the safetensors header (no model needed),
+:func:`open_lora_state_dict` the same for PEFT's state dict held in memory; factors are
+accepted only on modules PEFT itself would adapt (:func:`peft_adapts`: target_modules,
+exclude_modules, layers_to_transform / layers_pattern, exactly as PEFT matches them);
 :func:`bind_adapter` checks that every target exists in a model with the right shape;
 :class:`LoraDelta` (``role: delta``) and :class:`LoraFineTune` (``base+adapter``) present
 the result as tensor sources keyed by the model's own parameter names.
@@ -44,6 +47,7 @@ from safetensors import safe_open
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import (
+    SAFETENSORS_NAMES,
     SafetensorsLayout,
     TensorInfo,
     TensorSource,
@@ -83,11 +87,12 @@ REFUSED_FIELDS = {
 HANDLED_FIELDS = frozenset({
     "peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "fan_in_fan_out", "bias",
     "modules_to_save", "target_modules", "exclude_modules", "init_lora_weights", "auto_mapping",
+    "layers_to_transform", "layers_pattern",
 })
 # Fields with no effect on a trained adapter's Δ (training, loading or bookkeeping only).
 IGNORED_FIELDS = frozenset({
     "task_type", "base_model_name_or_path", "revision", "inference_mode", "peft_version", "lora_dropout",
-    "layers_to_transform", "layers_pattern", "megatron_core", "runtime_config", "qalora_group_size",
+    "megatron_core", "runtime_config", "qalora_group_size",
     "eva_config", "corda_config", "lora_ga_config", "ensure_weight_tying",
 })
 
@@ -117,36 +122,48 @@ class LoraModule:
 
 @dataclass(frozen=True)
 class LoraAdapter:
-    """An opened adapter folder: its config and header, checked; tensors read on demand."""
+    """An opened adapter (a folder, or PEFT's state dict in memory): config and tensor list checked, tensors read on demand."""
 
-    path: Path
+    path: Path | None  # the folder; None for an adapter given in memory
     label: str
     config: dict[str, Any]
-    layout: SafetensorsLayout
+    tensors: Mapping[str, TensorInfo]  # every stored tensor by key, from the file's header or from memory
     modules: dict[str, LoraModule]  # by module name
     full: dict[str, str]  # the model's parameter name (as PEFT names it) -> key of a full saved tensor
+    layout: SafetensorsLayout | None = None  # the file's checked header; None in memory
+    state_dict: Mapping[str, torch.Tensor] | None = None  # the tensors themselves, for an adapter in memory
 
     @property
-    def file(self) -> Path:
-        """The adapter's safetensors file."""
-        return self.layout.file
+    def file(self) -> Path | None:
+        """The adapter's safetensors file (None in memory)."""
+        return self.layout.file if self.layout is not None else None
 
     def read(self, key: str) -> torch.Tensor:
         """One stored tensor, in its stored dtype; GraftError if it holds NaN or Inf."""
-        with safe_open(str(self.file), framework="pt") as handle:
-            tensor = handle.get_tensor(key)
+        if self.state_dict is not None:
+            tensor = self.state_dict[key].detach()
+        else:
+            with safe_open(str(self.file), framework="pt") as handle:
+                tensor = handle.get_tensor(key)
         if not bool(torch.isfinite(tensor).all()):
-            raise GraftError(f"{self.file}: adapter tensor {key!r} contains NaN or Inf")
+            raise GraftError(f"{self.file or self.label}: adapter tensor {key!r} contains NaN or Inf")
         return tensor
+
+    def check_all_values(self) -> None:
+        """Every stored tensor read once (what a pull checks before it keeps an adapter)."""
+        for key in self.tensors:
+            self.read(key)
 
     def product(self, module: str, transposed: bool) -> torch.Tensor:
         """PEFT's delta weight of ``module`` in float32: ``(B @ A)`` (transposed when asked) ``* scaling``."""
         lora = self.modules[module]
         product = self.read(lora.b_key).float() @ self.read(lora.a_key).float()
-        return (product.T if transposed else product) * lora.scaling
+        return (product.T.contiguous() if transposed else product) * lora.scaling  # contiguous, as sources read
 
     def stamps(self) -> list[tuple[str, int, int, str]]:
         """(path, size, mtime_ns, content digest) of the config and the weights: identity for result caches."""
+        if self.path is None or self.layout is None:
+            raise GraftError(f"{self.label} is in memory: it has no files to identify it by")
         config = self.path / CONFIG_NAME
         stamps = []
         for file, digest in ((config, hashlib.sha256(config.read_bytes()).hexdigest()),
@@ -181,8 +198,54 @@ def open_lora_adapter(path: str | os.PathLike, label: str | None = None) -> Lora
             path / "adapter_model.bin").exists() else ""
         raise GraftError(f"{label}: no {WEIGHTS_NAME} in {path}{other}; graftmerge reads safetensors only")
     layout = read_safetensors_layout(weights)
-    modules, full = _classify_keys(config, layout, str(weights))
-    return LoraAdapter(path=path, label=label, config=config, layout=layout, modules=modules, full=full)
+    modules, full = _classify_keys(config, layout.tensors, str(weights))
+    return LoraAdapter(path=path, label=label, config=config, tensors=layout.tensors, modules=modules, full=full,
+                       layout=layout)
+
+
+def plain_adapter_config(config: Any, label: str) -> dict[str, Any]:
+    """An adapter config as ``adapter_config.json`` holds it, from a dict or a PEFT ``LoraConfig``.
+
+    ``to_dict()`` of a config object; name sets become sorted lists (as PEFT's
+    ``save_pretrained`` writes them), enum values their strings.
+    """
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise GraftError(f"{label}: the adapter config must be a dict (what adapter_config.json holds) or a PEFT "
+                         f"LoraConfig, got {type(config).__name__}")
+
+    def plain(value: Any) -> Any:
+        """A set of names as a sorted list; anything else JSON cannot hold is an error."""
+        if isinstance(value, set | frozenset):
+            return sorted(value)
+        raise TypeError(f"{type(value).__name__} is not JSON")
+
+    try:
+        return json.loads(json.dumps(dict(config), default=plain))
+    except (TypeError, ValueError) as error:
+        raise GraftError(f"{label}: the adapter config holds a value adapter_config.json cannot ({error})") from None
+
+
+def open_lora_state_dict(state_dict: Mapping[str, torch.Tensor], config: Any, label: str) -> LoraAdapter:
+    """An adapter held in memory: PEFT's state dict (``get_peft_model_state_dict``, or the file's
+    tensors) and its config, checked exactly as :func:`open_lora_adapter` checks a folder."""
+    config = plain_adapter_config(config, label)
+    check_adapter_config(config, label)
+    if not isinstance(state_dict, Mapping):
+        raise GraftError(f"{label}: the adapter's tensors must be a state dict (PEFT key -> tensor), got "
+                         f"{type(state_dict).__name__}")
+    tensors = {}
+    for key, tensor in state_dict.items():
+        if not isinstance(key, str) or not isinstance(tensor, torch.Tensor):
+            raise GraftError(f"{label}: the adapter state dict must map PEFT's key names to tensors, got "
+                             f"{key!r}: {type(tensor).__name__}")
+        if tensor.dtype not in SAFETENSORS_NAMES:
+            raise GraftError(f"{label}: tensor {key!r} is {tensor.dtype}; adapter tensors are floating point")
+        tensors[key] = TensorInfo(name=key, shape=tuple(tensor.shape), dtype=SAFETENSORS_NAMES[tensor.dtype], file=None)
+    modules, full = _classify_keys(config, tensors, label)
+    return LoraAdapter(path=None, label=label, config=config, tensors=tensors, modules=modules, full=full,
+                       state_dict=dict(state_dict))
 
 
 def check_adapter_config(config: dict[str, Any], where: str) -> None:
@@ -208,6 +271,7 @@ def check_adapter_config(config: dict[str, Any], where: str) -> None:
                          "base weights (PiSSA, OLoRA, CorDA, LoftQ, MiCA...); convert the adapter to a plain LoRA "
                          "(save_pretrained(path_initial_model_for_weight_conversion=...)) or merge it first")
     _check_numbers(config, where)
+    _check_layers(config, where)
 
 
 def _check_numbers(config: dict[str, Any], where: str) -> None:
@@ -275,6 +339,74 @@ def _names_match(names: str | list[str] | None, module: str, where: str, field: 
     return module in names or any(module.endswith(f".{name}") for name in names)
 
 
+def _check_layers(config: Mapping[str, Any], where: str) -> None:
+    """layers_to_transform / layers_pattern have PEFT's types, in the combinations PEFT's LoraConfig accepts."""
+    indexes, patterns = config.get("layers_to_transform"), config.get("layers_pattern")
+    index = lambda value: type(value) is int  # noqa: E731 - a JSON integer, not a bool
+    if indexes is not None and not index(indexes) and not (
+            isinstance(indexes, list) and all(index(i) for i in indexes)):
+        raise GraftError(f"{where}: layers_to_transform must be a layer index or a list of layer indices, "
+                         f"got {json.dumps(indexes)[:80]}")
+    if patterns is not None and not isinstance(patterns, str) and not (
+            isinstance(patterns, list) and all(isinstance(p, str) for p in patterns)):
+        raise GraftError(f"{where}: layers_pattern must be a name, a list of names or null, got "
+                         f"{json.dumps(patterns)[:80]}")
+    if patterns and indexes is None:
+        raise GraftError(f"{where}: layers_pattern is set without layers_to_transform; PEFT refuses that config")
+    targets = config.get("target_modules")
+    if isinstance(targets, str) and (indexes is not None or patterns is not None):
+        raise GraftError(f"{where}: layers_to_transform / layers_pattern with target_modules a string (a regular "
+                         "expression, or all-linear); PEFT refuses that config")
+
+
+def layer_index(config: Mapping[str, Any], module: str, where: str) -> int | None:
+    """The layer index PEFT reads from a module's name for ``layers_to_transform``, or None (no index found).
+
+    The index is a name part made of digits, never the last part. With ``layers_pattern``
+    (a name or names, regular expressions; the first that matches wins): the part right after
+    the first ``<pattern>`` that starts a name part; without: the first such part from the
+    third part on (``model.layers.3.self_attn.q_proj`` → 3; ``layers.3.mlp`` has none).
+    """
+    patterns = config.get("layers_pattern")
+    if not patterns:
+        found = re.match(r".*?\.[^.]*\.(?P<index>\d+)\.", module)
+        return int(found["index"]) if found else None
+    for pattern in [patterns] if isinstance(patterns, str) else patterns:
+        try:
+            found = re.match(rf"(?:^|.*?\.){pattern}\.(?P<index>\d+)\.", module)
+        except re.error as error:
+            raise GraftError(f"{where}: layers_pattern {pattern!r} is not a valid regular expression ({error})") from None
+        if found:
+            return int(found["index"])
+    return None
+
+
+def peft_adapts(config: Mapping[str, Any], module: str, where: str) -> bool:
+    """Whether PEFT puts a LoRA layer on ``module`` (so loads its factors), modules_to_save aside.
+
+    ``exclude_modules`` first; a regex ``target_modules`` matched whole; a module named in
+    full in the list; else a list entry ending the name, and then, when
+    ``layers_to_transform`` is set (an index, or a non-empty list), only modules whose
+    :func:`layer_index` is one of those. ``target_modules`` null or ``all-linear`` stand
+    for names PEFT derives from the model itself (null: by model type; all-linear, which
+    PEFT allows without layers only): the layer rule applies to those names too.
+    """
+    if _names_match(config.get("exclude_modules"), module, where, "exclude_modules"):
+        return False
+    targets = config.get("target_modules")
+    if isinstance(targets, str) and targets != "all-linear":
+        return _names_match(targets, module, where, "target_modules")
+    if isinstance(targets, list) and module in targets:
+        return True
+    if isinstance(targets, list) and not any(module.endswith(f".{name}") for name in targets):
+        return False
+    indexes = config.get("layers_to_transform")
+    if indexes is None or indexes == []:
+        return True
+    index = layer_index(config, module, where)
+    return index is not None and (index == indexes if isinstance(indexes, int) else index in indexes)
+
+
 def _under_modules_to_save(config: Mapping[str, Any], name: str) -> bool:
     """Whether ``name`` (a module or parameter) lies in a module PEFT saves whole (``modules_to_save``)."""
     modules = config.get("modules_to_save") or []
@@ -283,14 +415,14 @@ def _under_modules_to_save(config: Mapping[str, Any], name: str) -> bool:
     return any(a.endswith(m) for a in ancestors for m in modules)
 
 
-def _classify_keys(config: dict[str, Any], layout: SafetensorsLayout,
+def _classify_keys(config: dict[str, Any], tensors: Mapping[str, TensorInfo],
                    where: str) -> tuple[dict[str, LoraModule], dict[str, str]]:
     """Every key of the file: a LoRA factor, a full tensor PEFT loads over the base, or an error."""
     factors: dict[str, dict[str, str]] = {}
     embedding: dict[str, bool] = {}
     full: dict[str, str] = {}
     base_layers: set[str] = set()
-    for key, info in sorted(layout.tensors.items()):
+    for key, info in sorted(tensors.items()):
         if not key.startswith(KEY_PREFIX):
             raise GraftError(f"{where}: tensor {key!r} does not start with {KEY_PREFIX!r}; PEFT would not load it "
                              "(not a file written by PEFT's save_pretrained)")
@@ -315,7 +447,7 @@ def _classify_keys(config: dict[str, Any], layout: SafetensorsLayout,
         else:
             raise GraftError(f"{where}: tensor {key!r} is neither a LoRA factor nor part of modules_to_save "
                              f"({config.get('modules_to_save')}); PEFT would not load it")
-    modules = {m: _lora_module(config, m, sides, embedding[m], layout, where) for m, sides in sorted(factors.items())}
+    modules = {m: _lora_module(config, m, sides, embedding[m], tensors, where) for m, sides in sorted(factors.items())}
     for module in sorted(base_layers - set(modules)):
         raise GraftError(f"{where}: {module}.base_layer is saved, but {module!r} has no LoRA factors; PEFT would not "
                          "load it")
@@ -325,13 +457,13 @@ def _classify_keys(config: dict[str, Any], layout: SafetensorsLayout,
 
 
 def _lora_module(config: dict[str, Any], module: str, sides: dict[str, str], is_embedding: bool,
-                 layout: SafetensorsLayout, where: str) -> LoraModule:
+                 tensors: Mapping[str, TensorInfo], where: str) -> LoraModule:
     """One module's factors, checked: both present, 2-D, ranks agreeing with each other and the config."""
     for side in "AB":
         if side not in sides:
             raise GraftError(f"{where}: module {module!r} has lora_{'B' if side == 'A' else 'A'} but no "
                              f"lora_{side}{'' if is_embedding else '.weight'}")
-    a, b = layout.tensors[sides["A"]].shape, layout.tensors[sides["B"]].shape
+    a, b = tensors[sides["A"]].shape, tensors[sides["B"]].shape
     if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
         raise GraftError(f"{where}: module {module!r}: lora_A {list(a)} and lora_B {list(b)} are not r × in and "
                          "out × r with one r (only Linear, Conv1D and Embedding adapters graft)")
@@ -342,11 +474,9 @@ def _lora_module(config: dict[str, Any], module: str, sides: dict[str, str], is_
     if _under_modules_to_save(config, module):
         raise GraftError(f"{where}: module {module!r} has LoRA factors but is in modules_to_save; PEFT would not "
                          "load them")
-    targets, excluded = config.get("target_modules"), config.get("exclude_modules")
-    if (targets not in (None, "all-linear") and not _names_match(targets, module, where, "target_modules")) \
-            or _names_match(excluded, module, where, "exclude_modules"):
-        raise GraftError(f"{where}: module {module!r} has LoRA factors but target_modules / exclude_modules "
-                         "leave it out; PEFT would not load them")
+    if not peft_adapts(config, module, where):
+        raise GraftError(f"{where}: module {module!r} has LoRA factors but target_modules / exclude_modules / "
+                         "layers_to_transform leave it out; PEFT would not load them")
     return LoraModule(module=module, a_key=sides["A"], b_key=sides["B"], embedding=is_embedding, rank=rank,
                       scaling=scaling_of(config, module, where), in_features=a[1], out_features=b[0])
 
@@ -412,10 +542,10 @@ def bind_adapter(adapter: LoraAdapter, tensors: Mapping[str, TensorInfo], model_
         bound[name] = AdaptedWeight(parameter=name, module=module, transposed=transposed, full_key=None)
     for parameter, key in adapter.full.items():
         name = _model_name(parameter, tensors)
-        if name is None or tensors[name].shape != adapter.layout.tensors[key].shape:
+        if name is None or tensors[name].shape != adapter.tensors[key].shape:
             found = "does not have it" if name is None else f"has it as {'×'.join(map(str, tensors[name].shape))}"
             raise GraftError(f"{adapter.label} stores {parameter} as "
-                             f"{'×'.join(map(str, adapter.layout.tensors[key].shape))}, but {model_label} {found}")
+                             f"{'×'.join(map(str, adapter.tensors[key].shape))}, but {model_label} {found}")
         previous = bound.get(name)
         bound[name] = AdaptedWeight(name, previous.module if previous else None,
                                     previous.transposed if previous else False, key)

@@ -1,4 +1,4 @@
-"""Share graftmerge artifacts (Fisher caches, deltas) as Hugging Face Hub model repos.
+"""Share graftmerge artifacts (Fisher caches, deltas) as Hugging Face Hub model repos; pull PEFT LoRA adapters.
 
 ``artifacts`` pushes and pulls (resumable, partial by layers, offline from the HF
 cache), ``kinds`` says what each artifact is, ``cards`` writes model cards,

@@ -95,6 +95,10 @@ class HubArtifactNotFound(GraftError):
     """The Hub has no such repo, or (offline) the local cache has no copy: maybe a local path was meant."""
 
 
+class NotThisKind(GraftError):
+    """The repo exists but has no manifest of this kind: it may be another kind (:func:`pull_first_kind`)."""
+
+
 def files_map_values(manifest: Mapping[str, Any], read: Callable[[str], bytes]) -> list[str]:
     """Data files of a manifest with a ``files`` map (tensor key → file), as Fisher caches have."""
     files = manifest.get("files")
@@ -110,8 +114,9 @@ class ArtifactKind:
     name: str  # the CLI group: `graftmerge <name> pull`
     label: str  # in messages: "Fisher cache"
     manifest_name: str
-    format_name: str  # the manifest's "format" field
-    render_card: Callable[[Mapping[str, Any], str, str | None, Mapping[str, int]], str]
+    format_name: str | None = None  # the manifest's "format" field; None: another project's format
+    # (recognised by check_schema alone), which graftmerge pulls but does not push
+    render_card: Callable[[Mapping[str, Any], str, str | None, Mapping[str, int]], str] | None = None
     # Data files named by a manifest; ``read(name)`` gives a small file of the artifact
     # (an index) from wherever it is being read: the local folder, or the Hub.
     list_files: Callable[[Mapping[str, Any], Callable[[str], bytes]], list[str]] = files_map_values
@@ -121,6 +126,12 @@ class ArtifactKind:
     check_schema: Callable[[Mapping[str, Any], str], None] | None = None
     # After the pull: the folder checked as a merge opens it, plus the values a pull can afford.
     validate_folder: Callable[[Path], None] | None = None
+    missing_hint: str = ""  # appended when the Hub repo lacks a data file
+
+    @property
+    def noun(self) -> str:
+        """How messages name the kind: "graftmerge Fisher cache", or a foreign format's own label."""
+        return f"graftmerge {self.label}" if self.format_name is not None else self.label
 
     def data_files(self, manifest: Mapping[str, Any], read: Callable[[str], bytes], where: str) -> list[str]:
         """The manifest's data files, each checked to be a safe name inside the folder (manifests come from the Hub)."""
@@ -134,8 +145,14 @@ class ArtifactKind:
         return [check_file_name(name, where, self.manifest_name) for name in files]
 
     def check_manifest(self, manifest: Any, where: str) -> dict[str, Any]:
-        """``manifest`` itself if it is one of this kind (its ``format`` field); GraftError otherwise."""
-        if not isinstance(manifest, dict) or manifest.get("format") != self.format_name:
+        """``manifest`` itself if it is one of this kind (its ``format`` field); GraftError otherwise.
+
+        A foreign format (no ``format_name``) only has to be a JSON object here; ``check_schema`` checks it.
+        """
+        if self.format_name is None and not isinstance(manifest, dict):
+            raise GraftError(f"{where} is not a {self.label} ({self.manifest_name} is not a JSON object)")
+        if self.format_name is not None and (not isinstance(manifest, dict)
+                                             or manifest.get("format") != self.format_name):
             found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
             raise GraftError(
                 f"{where} is not a graftmerge {self.label} ({self.manifest_name} has format {found!r}, "
@@ -149,7 +166,7 @@ class ArtifactKind:
             raise GraftError(f"{folder} is not a folder")
         manifest_file = folder / self.manifest_name
         if not manifest_file.is_file():
-            raise GraftError(f"{folder} is not a graftmerge {self.label} (no {self.manifest_name})")
+            raise GraftError(f"{folder} is not a {self.noun} (no {self.manifest_name})")
         if self.open_folder is not None:
             manifest = dict(self.open_folder(folder))
         else:
@@ -201,7 +218,9 @@ def hub_errors(kind: ArtifactKind, reference: HubReference, action: str) -> Iter
     except RemoteEntryNotFoundError as error:
         response = getattr(error, "response", None)
         missing = str(response.url).rsplit("/", 1)[-1] if response is not None else kind.manifest_name
-        raise GraftError(f"{reference} is not a graftmerge {kind.label} (the repo has no {missing})") from error
+        if missing == kind.manifest_name:
+            raise NotThisKind(f"{reference} is not a {kind.noun} (the repo has no {missing})") from error
+        raise GraftError(f"{reference} is not a {kind.noun} (the repo has no {missing}{kind.missing_hint})") from error
     except OfflineModeIsEnabled as error:
         raise HubArtifactNotFound(
             f"cannot {action} {reference}: the Hub is offline (HF_HUB_OFFLINE=1) and it is not in the local "
@@ -251,6 +270,8 @@ def push_artifact(
     artifact. Stale ``*.safetensors`` of an earlier push are deleted in that commit.
     """
     folder = Path(folder)
+    if kind.render_card is None:
+        raise GraftError(f"graftmerge does not push a {kind.label}; use the tools of its own format")
     target = parse_hub_reference(repo_id)
     if target.revision is not None:
         raise GraftError(f"push to {target.repo_id} with --revision {target.revision}, not {repo_id!r}")
@@ -459,6 +480,29 @@ def pull_artifact(
         return _pull(kind, reference, staged, layers, token, cache_dir, progress)
 
 
+def pull_first_kind(kinds: Sequence[ArtifactKind], reference: HubReference | str,
+                    **options: Any) -> tuple[ArtifactKind, PullResult]:
+    """``pull_artifact`` of the first of ``kinds`` whose manifest the repo (or offline, the cache) has.
+
+    ``graftmerge delta pull`` takes a graftmerge delta or a PEFT LoRA adapter: each kind is
+    asked in turn, and one that the repo is not (no manifest of its kind, or no cached copy
+    offline) costs one metadata request and nothing else. When no kind fits: one line naming
+    every manifest looked for, or (the Hub unreachable, the repo missing) the first kind's error.
+    """
+    if isinstance(reference, str):
+        reference = parse_hub_reference(reference)
+    errors: list[GraftError] = []
+    for kind in kinds:
+        try:
+            return kind, pull_artifact(kind, reference, **options)
+        except (NotThisKind, HubArtifactNotFound) as error:
+            errors.append(error)
+    if all(isinstance(error, NotThisKind) for error in errors):
+        others = ", nor ".join(f"a {kind.noun} (no {kind.manifest_name})" for kind in kinds[1:])
+        raise NotThisKind(f"{errors[0]}{', nor ' + others if others else ''}") from errors[0]
+    raise next(error for error in errors if not isinstance(error, NotThisKind))
+
+
 def _output_folder(output: str | os.PathLike, overwrite: bool) -> OutputFolder:
     """``-o`` as an output folder: replaced whole, only with ``--overwrite``."""
     return OutputFolder(output, replace=OVERWRITE if overwrite else NEW, hint="pass --overwrite to replace it")
@@ -492,7 +536,8 @@ def _pull(kind: ArtifactKind, reference: HubReference, staged: OutputFolder | No
     if staged is not None:
         data = raw if not layers else json.dumps(manifest, indent=1, sort_keys=True).encode()
         fill_folder(staged.staging, sources, files, kind.manifest_name, data)
-        _validate_pulled(kind, staged.staging, where)  # a failure leaves -o as it was
+        undo = fetch.snapshot / kind.manifest_name if completed_now else None  # and the snapshot incomplete
+        _validate_pulled(kind, staged.staging, where, undo)  # a failure leaves -o as it was
         folder = staged.publish()
     return PullResult(folder=folder, commit=commit, files=files, fetched=fetch.fetched, stripped=stripped)
 

@@ -1,8 +1,11 @@
-"""The artifact kinds graftmerge shares on the Hub: Fisher caches, and deltas.
+"""The artifact kinds graftmerge shares on the Hub: Fisher caches, and deltas; and PEFT LoRA adapters, pulled.
 
 A kind is a manifest file name, a local check, a model card and (optionally) a way to
 keep only some layers; everything else (resume, partial fetch, offline) is generic in
-:mod:`graftmerge.hub.artifacts`.
+:mod:`graftmerge.hub.artifacts`. A PEFT adapter repo is pulled as a kind whose manifest
+is ``adapter_config.json`` (checked field by field before the weights are fetched) and
+whose only data file is ``adapter_model.safetensors``: never base weights, pickles
+(``adapter_model.bin``) or code, whatever else the repo holds.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from graftmerge.formats.delta_folder import FORMAT_VERSION as DELTA_VERSION
 from graftmerge.formats.delta_folder import INDEX_NAME, open_delta
 from graftmerge.formats.fisher_cache import FORMAT_VERSION as FISHER_VERSION
 from graftmerge.formats.fisher_cache import open_fisher_cache
+from graftmerge.formats.lora_adapter import CONFIG_NAME as ADAPTER_CONFIG
+from graftmerge.formats.lora_adapter import WEIGHTS_NAME as ADAPTER_WEIGHTS
+from graftmerge.formats.lora_adapter import check_adapter_config, open_lora_adapter
 from graftmerge.formats.manifest_schema import check_delta_manifest, check_fisher_manifest
 from graftmerge.hub.artifacts import ArtifactKind
 from graftmerge.hub.cards import render_delta_card, render_fisher_card
@@ -142,3 +148,37 @@ DELTA = ArtifactKind(
     check_schema=_check_delta_schema,
     validate_folder=_validate_delta_folder,
 )
+
+
+def _adapter_files(manifest: Mapping[str, Any], read: Callable[[str], bytes]) -> list[str]:
+    """An adapter's one data file: ``adapter_model.safetensors`` (its config is the manifest)."""
+    return [ADAPTER_WEIGHTS]
+
+
+def _check_adapter_schema(config: Mapping[str, Any], where: str) -> None:
+    """A downloaded adapter_config.json: every field one graft reproduces, ignores safely, or is off."""
+    check_adapter_config(dict(config), where)
+
+
+def _open_adapter_folder(folder: Path) -> Mapping[str, Any]:
+    """Every check a graft makes when it opens the folder (config, safetensors header, keys, ranks)."""
+    return open_lora_adapter(folder).config
+
+
+def _validate_adapter_folder(folder: Path) -> None:
+    """A pulled adapter opened as a graft opens it, then every tensor read once (finite)."""
+    open_lora_adapter(folder).check_all_values()
+
+
+LORA_ADAPTER = ArtifactKind(
+    name="delta",
+    label="PEFT LoRA adapter",
+    manifest_name=ADAPTER_CONFIG,
+    list_files=_adapter_files,
+    open_folder=_open_adapter_folder,
+    check_schema=_check_adapter_schema,
+    validate_folder=_validate_adapter_folder,
+    missing_hint="; graftmerge pulls safetensors only: re-save an adapter_model.bin with PEFT's "
+                 "save_pretrained(safe_serialization=True)",
+)
+DELTA_KINDS = (DELTA, LORA_ADAPTER)  # what `graftmerge delta pull` takes, asked in this order

@@ -35,11 +35,15 @@ class MultiThresholdSearch:
     _fine_names: dict[float, set[str]] | None = None
 
     @classmethod
-    def create(cls, rhos: Iterable[float], total: int) -> MultiThresholdSearch:
-        """A search per positive ρ over ``total`` directions, sharing one spill budget."""
+    def create(cls, rhos: Iterable[float], total: int, sharing: int = 1) -> MultiThresholdSearch:
+        """A search per positive ρ over ``total`` directions, sharing one spill budget.
+
+        ``sharing``: how many of these run side by side (one per λ of a sweep); they
+        split the budget, so memory does not grow with the number of λ either.
+        """
         rhos = tuple(rhos)
         positive = [rho for rho in rhos if rho > 0]
-        limit = _TOTAL_SPILL // max(1, len(positive))
+        limit = _TOTAL_SPILL // (max(1, len(positive)) * max(1, sharing))
         searches = {rho: ThresholdSearch(k=masked_count(rho, total), total=total, spill_limit=limit) for rho in positive}
         return cls(rhos=rhos, total=total, searches=searches)
 

@@ -4,6 +4,11 @@ Streams one tensor at a time (at most one output shard is held in memory) and
 writes into a hidden staging folder next to the output, manifest last, then
 renames it into place (:mod:`graftmerge.formats.output_folder`, under a lock): an
 interrupted extract leaves no folder that looks like a delta.
+
+With ``--rank K`` (:func:`extract_lora`) the folder is a PEFT LoRA adapter instead: each
+weight LoRA can adapt gets the rank-K truncated SVD of its Δ (:mod:`graftmerge.math.low_rank`,
+written by :mod:`graftmerge.formats.lora_writer`); tensors LoRA has no form for (norms,
+biases) are dropped, and the manifest says what every tensor kept or lost.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -20,7 +27,12 @@ from tqdm import tqdm
 
 from graftmerge import __version__
 from graftmerge.errors import GraftError
-from graftmerge.formats.checkpoint import SAFETENSORS_DTYPES, Checkpoint, check_same_tensors
+from graftmerge.formats.checkpoint import (
+    SAFETENSORS_DTYPES,
+    Checkpoint,
+    check_same_tensors,
+    hf_cache_origin,
+)
 from graftmerge.formats.delta_folder import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -28,9 +40,22 @@ from graftmerge.formats.delta_folder import (
     MANIFEST_NAME,
     source_record,
 )
+from graftmerge.formats.lora_writer import (
+    EMBEDDING,
+    LORA_FORMAT_NAME,
+    LORA_FORMAT_VERSION,
+    LORA_MANIFEST_NAME,
+    LoraFactors,
+    ModelLayers,
+    factors_of,
+    model_layers,
+    write_lora_adapter,
+)
 from graftmerge.formats.output_folder import NEW, OutputFolder
 from graftmerge.hub.untrusted import read_json_bytes, without_remote_code
+from graftmerge.math.delta_stats import l2_norm
 from graftmerge.math.donor_delta import donor_delta
+from graftmerge.math.low_rank import truncated_svd
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_SHARD_BYTES = 2 * 10**9
@@ -186,3 +211,145 @@ def _delta_tensor(donor: Checkpoint, donor_ft: Checkpoint, name: str, weight: fl
     if not donor.tensors[name].is_floating:
         return torch.zeros(donor.tensors[name].shape, dtype=torch.float32)
     return donor_delta(donor.read(name), [donor_ft.read(name)], [weight])
+
+
+# -- --rank K: a PEFT LoRA adapter ----------------------------------------------------------------
+
+SHARE_DEFINITION = ("kept_share = ‖Δ_K‖²_F / ‖Δ‖²_F (squared Frobenius norms; 1 − kept_share = "
+                    "‖Δ − Δ_K‖²_F / ‖Δ‖²_F); totals over every tensor of Δ, dropped ones included")
+
+
+def parse_rank(value: Any) -> int:
+    """``--rank``: a positive integer (``"16"`` or 16); GraftError otherwise."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not re.fullmatch(r"[+]?\d+", text) or int(text) <= 0:
+        raise GraftError(f"--rank must be a positive integer (the LoRA rank K), got {value!r}")
+    return int(text)
+
+
+@dataclass(frozen=True)
+class LoraExtraction:
+    """An extracted adapter: where it is, and its manifest (what every tensor kept or lost)."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+
+def extract_lora(
+    donor: str | os.PathLike,
+    donor_ft: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    rank: int | str,
+    weight: float = 1.0,
+    dtype: str = "float32",
+    embeddings: bool = True,
+    progress: bool = True,
+) -> LoraExtraction:
+    """Write Δ = weight·(θft − θdonor) as the PEFT LoRA adapter ``output`` (which must not exist), rank ≤ ``rank``.
+
+    One tensor of Δ is read and factored at a time; only the factors are kept until the
+    adapter file is written. The folder appears whole (manifest last) or not at all.
+    ``embeddings=False`` leaves embedding layers out (their Δ is reported as dropped).
+    """
+    output = Path(output)
+    rank = parse_rank(rank)
+    _checked_options(output, weight, dtype, None)
+    donor_checkpoint, ft_checkpoint = _open_checkpoints(donor, donor_ft)
+    layers = model_layers(donor_checkpoint.folder, f"donor {donor}")
+    manifest = {**_manifest(donor_checkpoint, ft_checkpoint, weight, dtype), "format": LORA_FORMAT_NAME,
+                "format_version": LORA_FORMAT_VERSION, "formula": "weight * (donor_ft - donor) ~ B @ A per weight "
+                "(rank-K truncated SVD)", "rank": rank, "share": SHARE_DEFINITION}
+    folder = OutputFolder(output, replace=NEW, hint="choose a new folder (extract never overwrites)").open()
+    try:
+        factors, table = _factor_tensors(donor_checkpoint, ft_checkpoint, layers, rank, weight, embeddings,
+                                         progress)
+        repo, revision = hf_cache_origin(donor_checkpoint.folder)
+        config = write_lora_adapter(folder.staging, factors, layers, base_model=repo or str(
+            donor_checkpoint.folder.resolve()), revision=revision, dtype=DTYPES[dtype])
+        manifest.update(table, target_modules=config["target_modules"], tied_embedding_adapted=sorted(
+            f.module for f in factors if f.module == layers.embedding and layers.tied))
+        (folder.staging / (LORA_MANIFEST_NAME + ".tmp")).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        os.replace(folder.staging / (LORA_MANIFEST_NAME + ".tmp"), folder.staging / LORA_MANIFEST_NAME)
+        _make_shareable(folder.staging)
+        folder.publish()
+    finally:
+        folder.close()
+    return LoraExtraction(path=output, manifest=manifest)
+
+
+def _factor_tensors(donor: Checkpoint, donor_ft: Checkpoint, layers: ModelLayers, rank: int, weight: float,
+                    embeddings: bool, progress: bool) -> tuple[list[LoraFactors], dict[str, Any]]:
+    """Each tensor's Δ, factored (a LoRA module) or dropped; the factors and the manifest's tables."""
+    factors: list[LoraFactors] = []
+    tensors: dict[str, dict] = {}
+    dropped: dict[str, dict] = {}
+    unchanged: list[str] = []
+    for name in tqdm(sorted(donor.tensors), desc="delta extract --rank", unit="tensor", disable=not progress):
+        delta = _delta_tensor(donor, donor_ft, name, weight)
+        if not bool(torch.isfinite(delta).all()):
+            raise GraftError(f"tensor {name!r}: Δ contains NaN or Inf (check {donor.label} and {donor_ft.label})")
+        found = layers.module_of(name) if delta.dim() == 2 else None
+        if found is None or (found[1] == EMBEDDING and not embeddings):
+            dropped[name] = {"shape": list(delta.shape), "norm_sq": l2_norm(delta) ** 2,
+                             "reason": _drop_reason(name, delta, donor, layers, found)}
+        elif not bool(delta.any()):
+            unchanged.append(name)
+        else:
+            svd = truncated_svd(delta, rank)
+            factors.append(factors_of(*found, svd.left, svd.right))
+            tensors[name] = {"module": found[0], "kind": found[1], "shape": list(delta.shape),
+                             "rank": factors[-1].rank, "norm_sq": svd.norm_sq, "kept_norm_sq": svd.kept_norm_sq,
+                             "kept_share": svd.kept_share}
+    return factors, {"tensors": tensors, "dropped": dropped, "unchanged": unchanged,
+                     "total": _totals(tensors, dropped)}
+
+
+def _drop_reason(name: str, delta: torch.Tensor, donor: Checkpoint, layers: ModelLayers,
+                 found: tuple[str, str] | None) -> str:
+    """Why tensor ``name`` has no LoRA form (the manifest says it beside its share of Δ)."""
+    if found is not None:
+        return "an embedding, left out by --no-embeddings"
+    if not donor.tensors[name].is_floating:
+        return "not floating point (no delta)"
+    if layers.is_tied(name):
+        return "tied to the input embedding (the embedding's adapter changes it when merged)"
+    if delta.dim() == 1:
+        return "1-D (a norm or a bias): LoRA has no form for it"
+    return "not the weight of a Linear, Conv1D or Embedding layer"
+
+
+def _totals(tensors: dict[str, dict], dropped: dict[str, dict]) -> dict[str, float]:
+    """Whole-delta sums of squared Frobenius norms, and the shares kept, truncated and dropped."""
+    adapted = sum(t["norm_sq"] for t in tensors.values())
+    kept = sum(t["kept_norm_sq"] for t in tensors.values())
+    lost = sum(t["norm_sq"] for t in dropped.values())
+    total = adapted + lost
+
+    def share(part: float) -> float:
+        """``part`` as a share of all of Δ (0 when Δ is 0)."""
+        return part / total if total > 0 else 0.0
+
+    return {"norm_sq": total, "kept_norm_sq": kept, "kept_share": share(kept),
+            "truncated_share": share(adapted - kept), "dropped_share": share(lost)}
+
+
+def extraction_summary(extraction: LoraExtraction, shown: int = 5) -> list[str]:
+    """What the CLI prints: the share of Δ kept, and what was dropped, largest first."""
+    manifest = extraction.manifest
+    total, dropped = manifest["total"], manifest["dropped"]
+    lines = [f"kept {100 * total['kept_share']:.3f}% of ‖Δ‖²_F in {len(manifest['tensors'])} LoRA modules at rank "
+             f"≤ {manifest['rank']} (truncation lost {100 * total['truncated_share']:.3f}%)"]
+    if dropped:
+        largest = sorted(dropped, key=lambda n: -dropped[n]["norm_sq"])
+        share = [f"{n} {100 * dropped[n]['norm_sq'] / total['norm_sq']:.3f}%" if total["norm_sq"] else n
+                 for n in largest[:shown]]
+        more = f", and {len(largest) - shown} more" if len(largest) > shown else ""
+        lines.append(f"dropped {len(dropped)} tensors LoRA cannot express ({100 * total['dropped_share']:.3f}% of "
+                     f"‖Δ‖²_F; why: lora_manifest.json): {', '.join(share)}{more}")
+    if manifest["unchanged"]:
+        lines.append(f"{len(manifest['unchanged'])} weights have Δ = 0 and no adapter")
+    if manifest["tied_embedding_adapted"]:
+        lines.append(f"note: {', '.join(manifest['tied_embedding_adapted'])} is tied to the output head, which takes "
+                     "its Δ only when merged (merge_and_unload); PEFT may warn on load (--no-embeddings leaves it out)")
+    return lines

@@ -22,7 +22,7 @@ from graftmerge.formats.delta_folder import check_finite_delta
 from graftmerge.formats.output_folder import MERGE, OutputFolder, stage_reached
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.donor_delta import donor_delta
-from graftmerge.math.projection import remove_masked
+from graftmerge.math.projection import remove_masked, remove_masked_coordinates, remove_masked_pairs
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
 from graftmerge.pipeline.graft_plan import (
     GraftInputs,
@@ -68,7 +68,9 @@ def was_validated(plan: GraftPlan) -> bool:
 def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True, scratch: Path | None = None) -> None:
     """Everything a mask needs before the first tensor: the global threshold, or a value scan.
 
-    With ``scratch``, the threshold pass keeps each KFAC weight's Δ̃ there for the merge.
+    With ``scratch``, a fresh threshold pass keeps there what the merge needs (each KFAC
+    weight's candidate pairs or Δ̃, every kept tensor's final mask), so the merge applies
+    those masks without reading the Fisher cache again.
     """
     if not inputs.plan.masked:
         return
@@ -77,6 +79,8 @@ def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True, scr
         global_threshold(inputs, device=device, progress=progress, rotations=rotations)
         if rotations is not None:
             inputs.memo["rotations"] = rotations
+            if rotations.has_masks:  # the pass ran now (not a cached threshold)
+                inputs.memo["kept_masks"] = rotations
     else:
         for name in inputs.ranked_names():
             inputs.tensor_fisher(name)  # raises on NaN, Inf or negative entries
@@ -125,6 +129,8 @@ def _masked(inputs: GraftInputs, name: str, delta: torch.Tensor) -> torch.Tensor
     threshold = inputs.memo.get("global_threshold") or global_threshold(
         inputs, device=str(delta.device), progress=False
     )
+    if _kept_mask_removed(inputs, name, delta):
+        return delta
     ties_left = threshold.tie_quota.get(name, 0)
     kept = inputs.memo.get("rotations")
     # The same row blocks as the threshold pass: identical scores, and a huge
@@ -140,6 +146,22 @@ def _masked(inputs: GraftInputs, name: str, delta: torch.Tensor) -> torch.Tensor
         remove_masked(scored, mask, fisher)  # in place: ``part`` is a view of ``delta``
         del scored, mask, fisher
     return delta
+
+
+def _kept_mask_removed(inputs: GraftInputs, name: str, delta: torch.Tensor) -> bool:
+    """Remove the mask the threshold pass kept for ``name`` from ``delta``, in place; False if it kept none."""
+    kept = inputs.memo.get("kept_masks")
+    positions = kept.masked_positions(name) if kept is not None else None
+    if positions is None:
+        return False
+    if inputs.fisher_kind(name) != "kfac":
+        remove_masked_coordinates(delta, positions)
+        return True
+    pairs = kept.load_pairs(name, delta.device)
+    if pairs is None:
+        return False
+    remove_masked_pairs(delta, pairs, positions)
+    return True
 
 
 def graft_in_memory(inputs: GraftInputs, device: torch.device | str = "cpu") -> Iterator[torch.Tensor]:
@@ -158,8 +180,9 @@ def graft_in_memory(inputs: GraftInputs, device: torch.device | str = "cpu") -> 
                 inputs,
                 name,
                 inputs.post.read(name),
-                inputs.donor.read(name),
+                inputs.donor.read(name) if inputs.donor is not None else None,
                 [fine_tune.read(name) for fine_tune in inputs.fine_tunes],
+                [delta.read(name) for delta in inputs.deltas],
             )
 
 
@@ -183,6 +206,7 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
                     return run_merge(config, str(output.staging), options=options, config_source=config_source)
             finally:
                 inputs.memo.pop("rotations", None)  # its files go with the staging folder
+                inputs.memo.pop("kept_masks", None)
     except GraftError as error:
         raise_for_cli(error, verbose=options.verbosity > 0)
 

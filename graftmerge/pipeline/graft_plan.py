@@ -329,14 +329,14 @@ def positional_roles(non_base_ids: Sequence[Hashable], given: Mapping[Hashable, 
     if unset:
         raise GraftError(
             f"graft input(s) {', '.join(map(repr, unset))} have no role while others do: give every "
-            "non-base input a role (donor, donor_ft), or none (then the first non-base input is the "
+            "non-base input a role (donor, donor_ft, delta), or none (then the first non-base input is the "
             "donor, the others donor_ft)"
         )
     for key in non_base_ids:
-        if given[key] not in ROLES:
-            raise GraftError(f"graft input {key!r} has unknown role {given[key]!r}; roles are {', '.join(ROLES)}")
+        if given[key] not in CONFIG_ROLES:
+            raise GraftError(f"graft input {key!r} has unknown role {given[key]!r}; roles are {', '.join(CONFIG_ROLES)}")
     roles = [given[key] for key in non_base_ids]
-    check_role_counts(roles.count("donor"), roles.count("donor_ft"), what="input")
+    check_role_counts(roles.count("donor"), roles.count("donor_ft"), what="input", deltas=roles.count("delta"))
     return {key: given[key] for key in non_base_ids}
 
 

@@ -14,6 +14,12 @@ loader is put into mergekit's ``LoaderCache``:
 
 The loaders are removed when the merge ends, whatever happens.
 
+In memory (mergekit's ``merge_state_dicts``), every input is a state dict with the post
+model's tensor names, so an adapter is handed over as one: :func:`lora_delta_state_dict`
+turns PEFT's state dict and config into Δ under the model's names (the same checks and
+the same arithmetic as a folder), and the graft recognises those tensors
+(:class:`InMemoryDelta`) to rotate them from their factors as it would the folder's.
+
 Low rank kept low: when a graft's whole Δ is one adapter (``role: delta``, nothing else),
 every KFAC weight is rotated from the factors, ``Δ̃ = λ·s·(UᵀB)(AV)``, never from the
 dense Δ (:func:`scored_delta`, which every scoring site of the pipeline calls, so the
@@ -23,16 +29,26 @@ threshold pass, the merge kernel, plan and sweep agree bit for bit).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from mergekit.common import ModelPath, ModelReference
 from mergekit.config import InputModelDefinition
 from mergekit.io.lazy_tensor_loader import ShardedTensorIndex, ShardInfo
 from mergekit.io.tasks import LoaderCache
+from torch.utils.weak import WeakIdKeyDictionary
 
-from graftmerge.formats.checkpoint import TensorSource
-from graftmerge.formats.lora_adapter import WEIGHTS_NAME, LoraDelta, LoraFineTune
+from graftmerge.errors import GraftError
+from graftmerge.formats.checkpoint import InMemoryCheckpoint, TensorSource
+from graftmerge.formats.lora_adapter import (
+    WEIGHTS_NAME,
+    LoraDelta,
+    LoraFineTune,
+    bind_adapter,
+    check_float_model,
+    open_lora_state_dict,
+)
 from graftmerge.math.low_rank import low_rank_rotate
 from graftmerge.math.projection import ScoredDelta, TensorFisher, score_delta
 from graftmerge.pipeline.graft_plan import GraftInputs
@@ -134,3 +150,99 @@ def scored_delta(inputs: GraftInputs, name: str, delta: torch.Tensor, fisher: Te
     if rotated is None:
         rotated = low_rank_rotation(inputs, name, fisher, rows, delta.device)
     return score_delta(delta, fisher, rotated)
+
+
+# Δ tensors made by lora_delta_state_dict -> (the tensor's name, its LoRA factors): kept only
+# while the tensor lives, so a graft can find the factors behind a tensor it is handed.
+_MADE_FROM_FACTORS = WeakIdKeyDictionary()
+
+
+def _state_dict_of(model: Any, what: str) -> Mapping[str, torch.Tensor]:
+    """A module's state dict (its own tensors, detached), or ``model`` itself when it is one."""
+    if isinstance(model, torch.nn.Module):
+        return model.state_dict()
+    if isinstance(model, Mapping) and all(isinstance(t, torch.Tensor) for t in model.values()):
+        return model
+    raise GraftError(f"{what} must be a state dict (name -> tensor) or a torch module, got {type(model).__name__}")
+
+
+def _model_config_of(model: Any, model_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The model's config.json as a dict: ``model_config``, else a transformers model's own ``config``."""
+    if model_config is None and hasattr(getattr(model, "config", None), "to_dict"):
+        model_config = model.config.to_dict()
+    if not isinstance(model_config, Mapping):
+        raise GraftError("lora_delta_state_dict needs the model's config (model_config=, its config.json as a dict, "
+                         "or pass the transformers model itself): it says which layers are GPT-2 Conv1D and "
+                         "which architecture the adapter must fit")
+    return dict(model_config)
+
+
+def lora_delta_state_dict(adapter_state_dict: Mapping[str, torch.Tensor], adapter_config: Any, model: Any, *,
+                          model_config: Mapping[str, Any] | None = None, donor: Any = None,
+                          label: str = "adapter") -> dict[str, torch.Tensor]:
+    """A PEFT LoRA adapter as ``merge_state_dicts`` takes a ``role: delta`` input: Δ under ``model``'s names.
+
+    ``adapter_state_dict``: PEFT's keys (``get_peft_model_state_dict(peft_model)``, or the
+    tensors of ``adapter_model.safetensors``); ``adapter_config``: ``adapter_config.json`` as
+    a dict, or the ``LoraConfig`` (``peft_model.peft_config["default"]``). ``model``: the post
+    model (a transformers model, or its state dict with ``model_config=``), for names, shapes,
+    layer types and the architecture check. ``donor``: the model the adapter was trained on,
+    needed only when it saves whole tensors (Δ = saved − donor).
+
+    Checked and computed exactly as an adapter folder given ``role: delta`` (float32 Δ,
+    ``scaling·B·A`` as PEFT computes it); a graft of the result equals the graft of the folder
+    bit for bit, KFAC masks included (the graft rotates these tensors from their factors).
+    Weights the adapter leaves alone are zeros that take no memory (expanded views);
+    integer buffers are the model's own, as mergekit needs every input to agree on them.
+    """
+    tensors = _state_dict_of(model, "model")
+    config = _model_config_of(model, model_config)
+    adapter = open_lora_state_dict(adapter_state_dict, adapter_config, label)
+    dtypes = {name: tensor.dtype for name, tensor in tensors.items()}
+    post = InMemoryCheckpoint(dict(tensors), dtypes, "the model")
+    donor_source = None
+    if donor is not None:
+        donor_tensors = _state_dict_of(donor, "donor")
+        donor_source = InMemoryCheckpoint(dict(donor_tensors), {n: t.dtype for n, t in donor_tensors.items()},
+                                          "the donor")
+    check_float_model(config, "the model")
+    delta = LoraDelta(adapter, bind_adapter(adapter, post.tensors, config, "the model"), post, donor_source, label)
+    result = {}
+    for name, info in post.tensors.items():
+        device = tensors[name].device
+        if not info.is_floating:
+            result[name] = tensors[name]
+            continue
+        if name in delta.bound:
+            result[name] = delta.read(name).to(device)
+        else:
+            result[name] = torch.zeros((), device=device).expand(info.shape)
+        factors = delta.low_rank_factors(name)
+        if factors is not None:
+            _MADE_FROM_FACTORS[result[name]] = (name, factors)
+    return result
+
+
+class InMemoryDelta(InMemoryCheckpoint):
+    """A ``role: delta`` input of ``merge_state_dicts``: Δ tensors under the model's names, checked finite.
+
+    Tensors made by :func:`lora_delta_state_dict` keep their LoRA factors
+    (:meth:`low_rank_factors`), so a lone adapter is rotated from them, as from its folder.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], label: str):
+        super().__init__(tensors, dtypes, label)
+        self.given = tensors
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise GraftError(f"{label}: delta tensor {name!r} contains NaN or Inf")
+
+    @property
+    def checkpoint(self) -> InMemoryDelta:
+        """The tensor source itself (as ``DeltaFolder.checkpoint`` is for a folder)."""
+        return self
+
+    def low_rank_factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """``LoraDelta.low_rank_factors`` of the adapter this tensor was made from, or None (a dense Δ)."""
+        made = _MADE_FROM_FACTORS.get(self.given[name])
+        return made[1] if made is not None and made[0] == name else None

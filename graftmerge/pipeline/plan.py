@@ -96,7 +96,7 @@ def score_pass(
     first = next(iter(views.values()))
     names = first.ranked_names()
     total = sum(first.direction_count(name) for name in names)
-    searches = {key: MultiThresholdSearch.create(rhos, total) for key in views}
+    searches = {key: MultiThresholdSearch.create(rhos, total, sharing=len(views)) for key in views}
     results = {key: PassResult(thresholds={}) for key in views}
 
     def scored_blocks(name: str, keep: bool):

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -23,7 +22,9 @@ from tqdm import tqdm
 from graftmerge import __version__
 from graftmerge.formats.output_folder import stage_reached
 from graftmerge.formats.rotation_store import RotationStore
+from graftmerge.formats.user_cache import cache_dir
 from graftmerge.math.global_threshold import GlobalThreshold, ThresholdSearch
+from graftmerge.math.projection import ScoredDelta, TensorFisher, candidate_pairs
 from graftmerge.math.selection import masked_count
 from graftmerge.pipeline.graft_plan import GraftInputs
 from graftmerge.pipeline.lora_inputs import scored_delta
@@ -35,14 +36,6 @@ def forget_thresholds() -> None:
     """Drop the thresholds this process remembers (the on-disk cache is kept)."""
     _MEMORY.clear()
 NO_CACHE_ENV = "GRAFTMERGE_NO_THRESHOLD_CACHE"
-
-
-def cache_dir() -> Path:
-    """``$GRAFTMERGE_CACHE_DIR``, else ``$XDG_CACHE_HOME/graftmerge``, else ``~/.cache/graftmerge``."""
-    if os.environ.get("GRAFTMERGE_CACHE_DIR"):
-        return Path(os.environ["GRAFTMERGE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "graftmerge"
 
 
 def threshold_cache_enabled() -> bool:
@@ -134,26 +127,46 @@ def global_threshold(
 def compute_global_threshold(
     inputs: GraftInputs, device: str = "cpu", progress: bool = True, rotations: RotationStore | None = None
 ) -> GlobalThreshold:
-    """Radix-select the exact ⌈ρ·D⌉-th largest score over all ranked tensors, streaming."""
+    """Radix-select the exact ⌈ρ·D⌉-th largest score over all ranked tensors, streaming.
+
+    With ``rotations``, what the merge needs is kept there: each KFAC weight's candidate
+    pairs (or its whole Δ̃ when its scores overflowed the search's memory), and at the end
+    the final mask of every tensor whose scores stayed kept (``RotationStore.keep_masks``).
+    """
     names = inputs.ranked_names()
     total = sum(inputs.direction_count(name) for name in names)
-    search = ThresholdSearch(k=masked_count(inputs.plan.rho, total), total=total)
+    search = ThresholdSearch(k=masked_count(inputs.plan.rho, total), total=total,
+                             keep_positions=rotations is not None)
 
-    def score_blocks(name: str, keep: bool = False):
-        """Scores of each row block of ``name``; with ``keep``, Δ̃ of whole KFAC weights goes to ``rotations``."""
+    def score_blocks(name: str):
+        """(rows, Fisher, scored delta) of each row block of ``name``."""
         for rows in inputs.row_blocks(name):
             delta = inputs.read_delta(name, device, rows)
-            scored = scored_delta(inputs, name, delta, inputs.tensor_fisher(name, rows).to(device), rows)
-            if keep and rotations is not None and rows is None and scored.rotated is not None:
-                rotations.save(name, scored.rotated)
-            yield scored.scores
+            fisher = inputs.tensor_fisher(name, rows).to(device)
+            yield rows, fisher, scored_delta(inputs, name, delta, fisher, rows)
 
     for name in tqdm(names, desc="graft threshold: scoring", disable=not progress, unit="tensor"):
         stage_reached("scoring")
-        for scores in score_blocks(name, keep=True):
-            search.add_coarse(name, scores)
+        for rows, fisher, scored in score_blocks(name):
+            search.add_coarse(name, scored.scores)
+            if rotations is not None and rows is None and scored.rotated is not None:
+                _keep_rotation(search, rotations, name, scored, fisher)
     rescore = search.fine_pass_names()  # empty unless the kept scores overflowed spill_limit
     for name in tqdm(rescore, desc="graft threshold: re-scoring", disable=not progress or not rescore, unit="tensor"):
-        for scores in score_blocks(name):
-            search.add_fine(name, scores)
-    return search.result()
+        for _, _, scored in score_blocks(name):
+            search.add_fine(name, scored.scores)
+    result = search.result()
+    if rotations is not None:
+        masks = {name: search.masked_positions(name) for name in names}
+        rotations.keep_masks({name: positions for name, positions in masks.items() if positions is not None})
+    return result
+
+
+def _keep_rotation(search: ThresholdSearch, rotations: RotationStore, name: str, scored: ScoredDelta,
+                   fisher: TensorFisher) -> None:
+    """Keep a KFAC weight's candidate pairs for the merge; its whole Δ̃ when its scores were not kept."""
+    positions = search.kept_positions(name)
+    if positions is None:
+        rotations.save(name, scored.rotated)
+    else:
+        rotations.save_pairs(name, candidate_pairs(scored.rotated, positions, fisher.kfac))

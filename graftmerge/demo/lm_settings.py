@@ -1,0 +1,103 @@
+"""What one run of the LM demo's experiment is: sizes, schedules, and the grid every method gets.
+
+Every method that produces an update (SFT of θpost, a fine-tune of each donor, OPSD of
+θpost) is trained at every learning rate in ``learning_rates`` and snapshotted at every
+epoch count in ``epochs``; every resulting update is merged at every λ in ``lambdas``
+with every (mask, ρ) in ``masks`` (ρ = 0: no mask). So every method gets the same number
+of configurations per update; :func:`updates` lists them and :func:`grid` the merges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from graftmerge.demo.lm import ModelSize
+from graftmerge.demo.world import SplitSizes
+
+# where donors are saved: fraction of pretraining (the anneal starts at decay_start), or of post-training
+DONORS = ("pre_anneal", "mid_anneal", "end", "mid_post")
+REPLAYS = ("none", "offpolicy", "own")
+FOLDER_AT = "_from_"  # "graft@end" is written "graft_from_end" in folder and merge names
+
+
+@dataclass(frozen=True)
+class LmDemoSettings:
+    """Everything that decides one experiment; QUICK, FULL and TINY below."""
+
+    size: ModelSize = ModelSize(hidden_size=96, num_hidden_layers=3, intermediate_size=256)
+    known_entities: int = 32
+    new_entities: int = 12
+    splits: SplitSizes = SplitSizes()
+    batch_size: int = 32
+    pretrain_steps: int = 1500
+    pretrain_lr: float = 2e-3
+    decay_start: float = 0.7  # warmup-stable-decay: the anneal is the last 30% of pretraining
+    stable_chat: float = 0.1  # share of chat-format sequences before the anneal
+    anneal_chat: float = 0.8  # and during it (chat-heavy anneal)
+    post_steps: int = 800
+    post_lr: float = 1e-3
+    learning_rates: tuple[float, ...] = (3e-4, 1e-3)
+    epochs: tuple[int, ...] = (10, 25)  # snapshots of one run per learning rate (constant rate after warm-up)
+    donors: tuple[str, ...] = ("pre_anneal", "end")
+    opsd: tuple[str, ...] = ("reverse",)  # OPSD divergences; () = no OPSD arm
+    opsd_max_new_tokens: int = 8
+    teacher_threshold: float = 0.9  # go/no-go: θpost's accuracy with the fact in context
+    replay: str = "offpolicy"
+    lambdas: tuple[float, ...] = (0.25, 0.5, 1.0, 1.5)
+    masks: tuple[tuple[str | None, float], ...] = ((None, 0.0), ("diagonal", 0.01), ("kfac", 0.01))
+    tolerances: tuple[float, ...] = (0.01, 0.05)  # old-task validation may drop this much below θpost
+    seeds: tuple[int, ...] = (0,)
+    fisher_samples: int = 2
+    stats_top: float = 0.01  # Fig. 8 right: share of F·Δ² on the top 1% F coordinates
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+QUICK = LmDemoSettings()
+FULL = LmDemoSettings(  # the same model and world; every donor, both divergences, one more mask, 3 seeds
+    donors=DONORS, opsd=("forward", "reverse"),
+    masks=((None, 0.0), ("diagonal", 0.01), ("kfac", 0.001), ("kfac", 0.01)), seeds=(0, 1, 2),
+)
+TINY = LmDemoSettings(  # the test suite's size: every stage, seconds
+    size=ModelSize(hidden_size=32, num_hidden_layers=1, intermediate_size=64),
+    known_entities=6, new_entities=2,
+    splits=SplitSizes(post_train=64, fisher_prompts=8, old_validation=16, old_test=16),
+    batch_size=16, pretrain_steps=20, post_steps=8, learning_rates=(1e-3,), epochs=(1, 2),
+    donors=("pre_anneal", "mid_post"), opsd=("forward",), opsd_max_new_tokens=4, teacher_threshold=0.0,
+    lambdas=(0.0, 1.0), masks=((None, 0.0), ("kfac", 0.01)), tolerances=(0.05,),
+)
+
+
+@dataclass(frozen=True)
+class Update:
+    """One trained update: which method, from which start, at which rate; snapshots at ``epochs``."""
+
+    method: str  # "sft", "graft" (a donor fine-tune) or "opsd"
+    start: str  # "post" or a donor in DONORS: the model trained
+    learning_rate: float
+    divergence: str = ""  # OPSD's
+
+    @property
+    def family(self) -> str:
+        """The method and its donor or divergence: "sft", "graft@pre_anneal", "opsd-reverse"."""
+        if self.method == "graft":
+            return f"graft@{self.start}"
+        return f"opsd-{self.divergence}" if self.method == "opsd" else "sft"
+
+    def snapshot(self, epochs: int) -> str:
+        """The folder name of this update's snapshot after ``epochs`` epochs (no "@": mergekit reads it)."""
+        return f"{self.family.replace('@', FOLDER_AT)}-lr{self.learning_rate:g}-e{epochs}"
+
+
+def updates(settings: LmDemoSettings) -> list[Update]:
+    """Every training run of one seed: SFT, each donor's fine-tune and each OPSD, at every rate."""
+    runs = []
+    for rate in settings.learning_rates:
+        runs.append(Update("sft", "post", rate))
+        runs += [Update("graft", donor, rate) for donor in settings.donors]
+        runs += [Update("opsd", "post", rate, divergence) for divergence in settings.opsd]
+    return runs
+
+
+def grid(settings: LmDemoSettings) -> list[tuple[float, str | None, float]]:
+    """Every (λ, mask, ρ) merged for every update snapshot."""
+    return [(lam, mask, rho) for lam in settings.lambdas for mask, rho in settings.masks]
