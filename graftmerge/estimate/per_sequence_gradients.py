@@ -104,8 +104,8 @@ def add_squared_gradients(
     blocks = [use for use in uses if not isinstance(use, EmbeddingUse)]
     if not blocks:  # an untied embedding: only the rows each sequence uses
         for n, length in enumerate(lengths):
-            rows, grads = sequence_rows(embeddings, n, length)
-            total.index_add_(0, rows, grads * grads)
+            ids, grads = sequence_rows(embeddings, n, length)
+            total.index_add_(0, ids, grads * grads)
         return
     matrix = total.view(total.shape[0], -1) if total.dim() else total.view(1, 1)
     height, width = matrix.shape
@@ -115,7 +115,7 @@ def add_squared_gradients(
     sparse = [
         sequence_rows(embeddings, n, length) for n, length in enumerate(lengths) if embeddings
     ]
-    starts = [rows.tolist() for rows, _ in sparse]
+    sorted_ids = [ids.tolist() for ids, _ in sparse]
     for start in range(0, height, step):
         rows = slice(start, min(height, start + step))
         out = buffer[: rows.stop - start]
@@ -123,7 +123,8 @@ def add_squared_gradients(
             for index, use in enumerate(blocks):
                 use.add_block(n, length, rows, out, first=index == 0)
             if sparse:
-                low, high = bisect_left(starts[n], rows.start), bisect_left(starts[n], rows.stop)
+                low = bisect_left(sorted_ids[n], rows.start)
+                high = bisect_left(sorted_ids[n], rows.stop)
                 if high > low:
                     ids, grads = sparse[n]
                     out.index_add_(0, ids[low:high] - start, grads[low:high])

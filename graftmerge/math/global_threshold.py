@@ -41,7 +41,6 @@ _FINE_BINS = 1 << 16
 _FIRST_NORMAL_BIN = 0x0080  # bits of the smallest normal float32 (0x00800000) >> 16
 _FIRST_NORMAL_BITS = _FIRST_NORMAL_BIN << 16
 _CHUNK = 1 << 24  # elements per bincount, bounds temporaries for huge tensors
-_BLOCK = 32  # elements per block maximum when looking for the scores at or above the bound
 
 
 @dataclass(frozen=True)
@@ -92,22 +91,24 @@ def _bit_chunks(scores: torch.Tensor):
 
 
 def _positions_at_or_above(bits: torch.Tensor, lowest: int) -> torch.Tensor:
-    """``nonzero(bits >= lowest)`` (int64), cheaper when few qualify: blocks of 32 whose max reaches it first.
+    """``nonzero(bits >= lowest)`` (int64), cheaper when few qualify: whole words of the mask first.
 
-    A block maximum is a vectorised reduction; ``nonzero`` over a whole chunk is the
-    slowest step of the coarse pass, so only the blocks that hold a hit are scanned.
+    ``nonzero`` over a chunk's boolean mask is the slowest step of the coarse pass. Read
+    as int64 words (8 flags each), the mask has 8× fewer entries to scan; only the words
+    holding a hit are then scanned flag by flag. Where most words hold a hit, the mask is
+    scanned directly.
     """
-    whole = bits.numel() - bits.numel() % _BLOCK
+    mask = bits >= lowest
+    whole = mask.numel() - mask.numel() % 8
     if whole == 0:
-        return torch.nonzero(bits >= lowest).squeeze(1)
-    blocks = bits[:whole].view(-1, _BLOCK)
-    hit = torch.nonzero(blocks.amax(1) >= lowest).squeeze(1)
-    if 2 * hit.numel() > blocks.shape[0]:  # dense: scanning the hit blocks would not save anything
-        return torch.nonzero(bits >= lowest).squeeze(1)
-    inner = torch.nonzero(blocks.index_select(0, hit).view(-1) >= lowest).squeeze(1)
-    found = hit[torch.div(inner, _BLOCK, rounding_mode="floor")].mul_(_BLOCK).add_(inner % _BLOCK)
-    tail = torch.nonzero(bits[whole:] >= lowest).squeeze(1).add_(whole)
-    return torch.cat([found, tail])
+        return torch.nonzero(mask).squeeze(1)
+    hit = torch.nonzero(mask[:whole].view(torch.int64)).squeeze(1)
+    if 4 * hit.numel() > whole // 8:  # dense: a quarter of the words or more
+        return torch.nonzero(mask).squeeze(1)
+    inner = torch.nonzero(mask[:whole].view(-1, 8).index_select(0, hit).view(-1)).squeeze(1)
+    found = hit[inner >> 3].mul_(8).add_(inner & 7)
+    tail = torch.nonzero(mask[whole:]).squeeze(1).add_(whole)
+    return torch.cat([found, tail]) if tail.numel() else found
 
 
 def _bin_of_kth_largest(histogram: torch.Tensor, k: int) -> tuple[int, int]:
@@ -174,7 +175,8 @@ class ThresholdSearch:
         self._offsets[name] = start + bits.numel()
         early = self._positives < self.k
         if early:
-            counts = torch.bincount(bits[bits >= _FIRST_NORMAL_BITS] >> 16, minlength=_COARSE_BINS).cpu()
+            counts = torch.bincount((bits >> 16).clamp_(min=0), minlength=_COARSE_BINS).cpu()
+            counts[:_FIRST_NORMAL_BIN] = 0  # zeros, subnormal (and negative-zero) scores are never masked
             self._positives += int(counts.sum())
         elif int(bits.amin()) >= _FIRST_NORMAL_BITS:  # the usual chunk: no zero score (a min is cheaper than a count)
             self._positives += bits.numel()
@@ -223,10 +225,10 @@ class ThresholdSearch:
             return
         self._pruned_at = bound
         for name, parts in self._spills.items():
-            keep = [(p >> 16) >= bound for p in parts]
-            self._spills[name] = [p[k] for p, k in zip(parts, keep)]
+            keep = [_positions_at_or_above(p, bound << 16) for p in parts]
+            self._spills[name] = [p.index_select(0, k) for p, k in zip(parts, keep)]
             if name in self._positions:
-                self._positions[name] = [p[k] for p, k in zip(self._positions[name], keep)]
+                self._positions[name] = [p.index_select(0, k) for p, k in zip(self._positions[name], keep)]
         self._spilled = self._spilled_after_prune = sum(p.numel() for parts in self._spills.values() for p in parts)
 
     @property

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def diagonal_scores(fisher: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """``s = F ⊙ Δ²`` (same shape as Δ)."""
-    return torch.square(delta).mul_(fisher.to(delta.dtype))
+def diagonal_scores(fisher: torch.Tensor, delta: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """``s = F ⊙ Δ²`` (same shape as Δ); ``in_place``: in Δ's own buffer (same bits, one allocation fewer)."""
+    return torch.square(delta, out=delta if in_place else None).mul_(fisher.to(delta.dtype))
 
 
 def kfac_rotate(delta: torch.Tensor, U: torch.Tensor | None, V: torch.Tensor | None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,12 +86,15 @@ def score_pass(
     device: str = "cpu",
     progress: bool = True,
     rotations: dict[Hashable, RotationStore] | None = None,
+    after_each: Callable[[], None] | None = None,
 ) -> dict[Hashable, PassResult]:
     """Global thresholds of every (view, ρ) from one streaming pass over the ranked tensors.
 
     Views differ only in λ (their Fisher and tensors are shared): each block of each
     tensor is read once, its Fisher once, and Δ scored once per view. With
     ``rotations``, each KFAC weight's Δ̃ is kept per view for a later merge.
+    ``after_each`` runs after each view's scores of each block are used (a sweep
+    returns freed memory there).
     """
     first = next(iter(views.values()))
     names = first.ranked_names()
@@ -109,6 +112,8 @@ def score_pass(
                     rotations[key].save(name, scored.rotated)
                 yield key, scored.scores
                 del scored
+                if after_each is not None:
+                    after_each()
 
     for name in tqdm(names, desc="graft scores", disable=not progress, unit="tensor"):
         for key, scores in scored_blocks(name, keep=True):

@@ -23,9 +23,10 @@ What is shared is only what is provably the same for every grid point:
   reused by every ρ (exactly what a single merge does with its own pass).
 
 Memory does not grow with the grid: one tensor's inputs and one grid point's graft at
-a time, at most one Δ̃ and one Fisher tensor (or one row block of a huge one) held, the
-threshold searches of all λ sharing one spill budget, and every point's shard buffer on
-disk (:class:`SpillingWriter`), read back only to be written, one shard at a time.
+a time (freed memory given back between steps: :class:`FreedMemory`), at most
+one Δ̃ and one Fisher tensor (or one row block of a huge one) held, the threshold
+searches of all λ sharing one spill budget, and every point's shard buffer on disk
+(:class:`SpillingWriter`), read back only to be written, one shard at a time.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
 from graftmerge.pipeline.plan import grid_views, score_pass
 
 LOG = logging.getLogger(__name__)
-_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+_LIBC = ctypes.CDLL(None)  # the C library this process already uses
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -196,19 +198,42 @@ def _read_spilled(file, offset: int, dtype: torch.dtype, shape: torch.Size) -> t
     return tensor
 
 
-def return_freed_tensors_to_the_system() -> None:
-    """Fix glibc's mmap threshold at its starting value (128 KiB) for this process; elsewhere a no-op.
+class FreedMemory:
+    """Gives the pages of freed tensors back to the system once more than ``keep`` bytes piled up.
 
-    glibc raises the threshold (up to 32 MiB) each time a large block is freed; blocks
-    below it then come from the heap, where a sweep's stream of tensors of many sizes
-    (a graft per grid point per tensor) fragments it, and its resident memory grows with
-    the grid: 1217 MB of anonymous memory by the end of the scoring pass of a 3 × 3 grid
-    on a 96M-parameter model, 370 MB with the threshold fixed, where a tensor's pages go
-    back when it is freed. Only speed could differ (more page faults): not measurably.
+    glibc keeps freed blocks below its mmap threshold (which rises to 32 MiB as large
+    blocks are freed) in its heap, and a sweep's stream of tensors of many sizes (a graft
+    per grid point, a score per λ, between the threshold searches' long-lived kept
+    scores) fragments it, so resident memory grows with the grid: on a 96M-parameter
+    model, 1.75–1.84 GB for a 3 × 3 grid instead of 1.41–1.45 GB, and 2.9 GB in the
+    scoring pass alone for 5 × 5. :meth:`step`, called after each step (one grid point's
+    graft, one λ's scores of a block), runs glibc's ``malloc_trim`` when the process's
+    anonymous resident memory has grown by more than ``keep`` since the last trim: the
+    sweep never holds more than ``keep`` of garbage on top of what one step needs, and a
+    small step's freed blocks are reused by the next (each trim makes the next steps
+    fault their pages in again). Elsewhere than glibc: a no-op.
     """
-    libc = ctypes.CDLL(None)  # the C library this process already uses
-    if hasattr(libc, "gnu_get_libc_version"):  # glibc: other allocators do not take this parameter
-        libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+
+    def __init__(self, keep: int = 128 << 20):
+        self.keep = keep
+        self._trim = getattr(_LIBC, "malloc_trim", None)
+        self._after_trim: int | None = None
+
+    def step(self) -> None:
+        """Trim if anonymous resident memory grew by more than ``keep`` since the last trim."""
+        if self._trim is None:
+            return
+        if self._after_trim is not None and _anonymous_resident() <= self._after_trim + self.keep:
+            return
+        self._trim(0)
+        self._after_trim = _anonymous_resident()
+
+
+def _anonymous_resident() -> int:
+    """Resident bytes of this process not backed by files (``/proc/self/statm``: resident − shared)."""
+    with open("/proc/self/statm", "rb") as statm:
+        fields = statm.read().split()
+    return (int(fields[1]) - int(fields[2])) * _PAGE
 
 
 def grid_config_source(source: str, point: GridPoint) -> str:
@@ -237,7 +262,6 @@ def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GraftError(f"output {out_dir} already exists and is not an empty folder; choose a new one")
-    return_freed_tensors_to_the_system()
     with OutputFolder(out_dir, replace=EMPTY) as output, contextlib.ExitStack() as loras:  # locked before any read
         masked = [p for p in plans.values() if p.masked]
         inputs = GraftInputs.open(masked[0] if masked else plans[points[0]])
@@ -247,14 +271,16 @@ def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out
             raise GraftError("sweep does not support architectures whose parameters mergekit fills in after merging")
         LoaderCache().setup(options=options)
         device = options.device or "cpu"
-        views = _grid_views(inputs, plans, output.scratch / "kfac-rotations", device, progress=not options.quiet)
-        _write_grid(config, source, views, output.staging, output.scratch / "spill", arch_info, options,
-                    device)
+        freed = FreedMemory()
+        views = _grid_views(inputs, plans, output.scratch / "kfac-rotations", device, freed,
+                            progress=not options.quiet)
+        _write_grid(config, source, views, output.staging, output.scratch / "spill", arch_info, options, device,
+                    freed)
     return [output.out / point.folder for point in points]
 
 
 def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch: Path, device: str,
-                progress: bool) -> dict[GridPoint, GraftInputs]:
+                freed: FreedMemory, progress: bool) -> dict[GridPoint, GraftInputs]:
     """Each grid point's GraftInputs, with its global threshold and the λ's kept Δ̃ in its memo."""
     views = grid_views(inputs, plans)
     fisher = _LastFisher(inputs.fisher) if inputs.fisher is not None else None
@@ -267,7 +293,8 @@ def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch:
     rhos = sorted({p.rho for p in global_points})
     by_lambda = {lam: views[next(p for p in global_points if p.lam == lam)] for lam in lambdas}
     stores = {lam: RotationStore(scratch / f"lambda-{index}") for index, lam in enumerate(lambdas)}
-    results = score_pass(by_lambda, rhos, device=device, progress=progress, rotations=stores)
+    results = score_pass(by_lambda, rhos, device=device, progress=progress, rotations=stores,
+                         after_each=freed.step)
     slot: list = []
     kept = {lam: _LastRotation(store, slot) for lam, store in stores.items()}
     for point in global_points:
@@ -277,43 +304,52 @@ def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch:
 
 
 def _write_grid(config, source: str, views: dict[GridPoint, GraftInputs], staging: Path, spill: Path, arch_info,
-                options, device: str) -> None:
+                options, device: str, freed: FreedMemory) -> None:
     """Graft every tensor once per grid point, as it is read, into each point's own (spilling) writer."""
     out_config, saves = _planned_tensors(config, arch_info, options, staging)
     roles = {entry.model: (entry.parameters or {}).get("role") for entry in config.models}
-    donor_ref = next((ref for ref, role in roles.items() if role == "donor"), None)  # none with only deltas
-    fine_tune_refs = [ref for ref, role in roles.items() if role == "donor_ft"]
-    delta_refs = [ref for ref, role in roles.items() if role == "delta"]
-    base_ref = config.base_model
+    refs = (
+        config.base_model,
+        next((ref for ref, role in roles.items() if role == "donor"), None),  # none with only deltas
+        [ref for ref, role in roles.items() if role == "donor_ft"],
+        [ref for ref, role in roles.items() if role == "delta"],
+    )
     folders = {point: staging / point.folder for point in views}
     spill.mkdir(parents=True, exist_ok=True)
     writers = {point: SpillingWriter(folder, spill, options) for point, folder in folders.items()}
-    storage = device if options.low_cpu_memory else "cpu"
     for save in tqdm(saves, desc=f"graft sweep ({len(views)} models)", disable=options.quiet, unit="tensor"):
-        name = save.tensor_name
-        task = save.tensor_task
-        tensors = _load_group(task, device)
-        if tensors is None:
-            continue  # an optional weight none of the inputs has (mergekit skips it too)
-        buffer = copy_non_floating_buffer(list(tensors.values()), name)
-        if buffer is None:
-            dtype = _promoted(list(tensors.values()))  # mergekit's align_dtype
-            aligned = {ref: tensor.to(dtype=dtype) for ref, tensor in tensors.items()}
-            post, donor = aligned[base_ref], aligned.get(donor_ref)
-            fine_tunes = [aligned[ref] for ref in fine_tune_refs]
-            deltas = [aligned[ref] for ref in delta_refs]
-        for point, view in views.items():
-            with torch.no_grad():
-                tensor = buffer if buffer is not None else graft_opened(view, name, post, donor, fine_tunes, deltas)
-            tensor = tensor.to(storage)
-            if save.dtype:
-                tensor = tensor.to(dtype=dtype_from_name(save.dtype))
-            writers[point].save_tensor(name, tensor)
-            del tensor
-        del tensors
+        _write_tensor(save, views, writers, refs, device, options, freed)
+        freed.step()  # this tensor's inputs, before the next one's are read
     for point, writer in writers.items():
         writer.finalize()
         _write_model_files(config, source, point, str(folders[point]), out_config, arch_info, options)
+
+
+def _write_tensor(save, views: dict[GridPoint, GraftInputs], writers: dict, refs: tuple, device: str, options,
+                  freed: FreedMemory) -> None:
+    """One output weight for every grid point: its inputs read once, then grafted, cast and written per point."""
+    name = save.tensor_name
+    tensors = _load_group(save.tensor_task, device)
+    if tensors is None:
+        return  # an optional weight none of the inputs has (mergekit skips it too)
+    buffer = copy_non_floating_buffer(list(tensors.values()), name)
+    if buffer is None:
+        dtype = _promoted(list(tensors.values()))  # mergekit's align_dtype
+        aligned = {ref: tensor.to(dtype=dtype) for ref, tensor in tensors.items()}
+        base_ref, donor_ref, fine_tune_refs, delta_refs = refs
+        post, donor = aligned[base_ref], aligned.get(donor_ref)
+        fine_tunes = [aligned[ref] for ref in fine_tune_refs]
+        deltas = [aligned[ref] for ref in delta_refs]
+    storage = device if options.low_cpu_memory else "cpu"
+    for point, view in views.items():
+        with torch.no_grad():
+            tensor = buffer if buffer is not None else graft_opened(view, name, post, donor, fine_tunes, deltas)
+        tensor = tensor.to(storage)
+        if save.dtype:
+            tensor = tensor.to(dtype=dtype_from_name(save.dtype))
+        writers[point].save_tensor(name, tensor)
+        del tensor
+        freed.step()  # this point's graft, before the next point's
 
 
 def _promoted(tensors: list[torch.Tensor]) -> torch.dtype:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -24,7 +26,8 @@ from graftmerge.formats.output_folder import stage_reached
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.formats.user_cache import cache_dir
 from graftmerge.math.global_threshold import GlobalThreshold, ThresholdSearch
-from graftmerge.math.projection import ScoredDelta, TensorFisher, candidate_pairs
+from graftmerge.math.projection import TensorFisher, candidate_pairs
+from graftmerge.math.scores import diagonal_scores
 from graftmerge.math.selection import masked_count
 from graftmerge.pipeline.graft_plan import GraftInputs
 from graftmerge.pipeline.lora_inputs import scored_delta
@@ -137,24 +140,27 @@ def compute_global_threshold(
     total = sum(inputs.direction_count(name) for name in names)
     search = ThresholdSearch(k=masked_count(inputs.plan.rho, total), total=total,
                              keep_positions=rotations is not None)
-
-    def score_blocks(name: str):
-        """(rows, Fisher, scored delta) of each row block of ``name``."""
-        for rows in inputs.row_blocks(name):
-            delta = inputs.read_delta(name, device, rows)
-            fisher = inputs.tensor_fisher(name, rows).to(device)
-            yield rows, fisher, scored_delta(inputs, name, delta, fisher, rows)
-
-    for name in tqdm(names, desc="graft threshold: scoring", disable=not progress, unit="tensor"):
-        stage_reached("scoring")
-        for rows, fisher, scored in score_blocks(name):
-            search.add_coarse(name, scored.scores)
-            if rotations is not None and rows is None and scored.rotated is not None:
-                _keep_rotation(search, rotations, name, scored, fisher)
+    blocks = [(name, rows) for name in names for rows in inputs.row_blocks(name)]
+    score = functools.partial(_score_block, inputs, device)
+    with (tqdm(total=len(names), desc="graft threshold: scoring", disable=not progress, unit="tensor") as bar,
+          ThreadPoolExecutor(max_workers=1) as writer):  # files for the merge are written meanwhile
+        saved = []
+        for (name, rows), (fisher, scores, rotated) in read_ahead(blocks, score):
+            if rows is None or rows[0] == 0:
+                stage_reached("scoring")
+                bar.update()
+            search.add_coarse(name, scores)
+            if rotations is not None and rows is None and rotated is not None:
+                while len(saved) >= 2:  # bounded: at most two weights' Δ̃ wait for the writer
+                    saved.pop(0).result()
+                positions = search.kept_positions(name)
+                saved.append(writer.submit(_keep_rotation, rotations, name, rotated, fisher, positions))
+        for done in saved:
+            done.result()  # raises what a write raised
     rescore = search.fine_pass_names()  # empty unless the kept scores overflowed spill_limit
     for name in tqdm(rescore, desc="graft threshold: re-scoring", disable=not progress or not rescore, unit="tensor"):
-        for _, _, scored in score_blocks(name):
-            search.add_fine(name, scored.scores)
+        for rows in inputs.row_blocks(name):
+            search.add_fine(name, score((name, rows))[1])
     result = search.result()
     if rotations is not None:
         masks = {name: search.masked_positions(name) for name in names}
@@ -162,11 +168,38 @@ def compute_global_threshold(
     return result
 
 
-def _keep_rotation(search: ThresholdSearch, rotations: RotationStore, name: str, scored: ScoredDelta,
-                   fisher: TensorFisher) -> None:
-    """Keep a KFAC weight's candidate pairs for the merge; its whole Δ̃ when its scores were not kept."""
-    positions = search.kept_positions(name)
+def _score_block(inputs: GraftInputs, device: str, block: tuple[str, tuple[int, int] | None]
+                 ) -> tuple[TensorFisher, torch.Tensor, torch.Tensor | None]:
+    """(Fisher, scores, Δ̃ or None) of one row block of one tensor: read, check, score."""
+    name, rows = block
+    delta = inputs.read_delta(name, device, rows)
+    fisher = inputs.tensor_fisher(name, rows).to(device)
+    if fisher.kfac is None:  # Δ is not needed after its scores: square it in place
+        return fisher, diagonal_scores(fisher.diagonal, delta, in_place=True), None
+    scored = scored_delta(inputs, name, delta, fisher, rows)
+    return fisher, scored.scores, scored.rotated
+
+
+def read_ahead(items: list, compute: Callable) -> Iterator[tuple]:
+    """``(item, compute(item))`` in order, the next item computed in a background thread meanwhile.
+
+    The threshold pass reads and scores block i+1 (file reads, sha256, conversions and
+    matmuls release the GIL) while the caller feeds block i to the search: one block in
+    flight, so memory holds at most two blocks' scores. An exception raised by
+    ``compute`` is raised here, for its item.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(compute, items[0]) if items else None
+        for index, item in enumerate(items):
+            result = pending.result()
+            pending = pool.submit(compute, items[index + 1]) if index + 1 < len(items) else None
+            yield item, result
+
+
+def _keep_rotation(rotations: RotationStore, name: str, rotated: torch.Tensor, fisher: TensorFisher,
+                   positions: torch.Tensor | None) -> None:
+    """Keep a KFAC weight's candidate pairs (the scores kept at ``positions``) for the merge; its whole Δ̃ when None."""
     if positions is None:
-        rotations.save(name, scored.rotated)
+        rotations.save(name, rotated)
     else:
-        rotations.save_pairs(name, candidate_pairs(scored.rotated, positions, fisher.kfac))
+        rotations.save_pairs(name, candidate_pairs(rotated, positions, fisher.kfac))
