@@ -21,7 +21,7 @@ import graftmerge.pipeline.graft as graft
 import graftmerge.pipeline.threshold_pass as threshold_pass
 from graftmerge.errors import GraftError
 from graftmerge.formats.fisher_cache import FisherCacheWriter, KfacFactors, open_fisher_cache
-from graftmerge.math.global_threshold import ThresholdSearch
+from graftmerge.math.global_threshold import ThresholdSearch, positions_at_or_above
 from graftmerge.math.projection import (
     TensorFisher,
     candidate_pairs,
@@ -30,6 +30,7 @@ from graftmerge.math.projection import (
     remove_masked_pairs,
     score_delta,
 )
+from graftmerge.math.scores import diagonal_scores
 from graftmerge.math.selection import mask_from_threshold, top_k_mask
 
 # -- the mask the search keeps ----------------------------------------------------------------
@@ -205,3 +206,42 @@ def test_the_record_vouches_for_those_bytes_only(tmp_path, monkeypatch, tied_mod
         open_fisher_cache(hostile).kfac(name)
     square = basis.float()
     assert fisher_cache.orthonormal_digest(square) != fisher_cache.orthonormal_digest(square.T.contiguous())
+
+
+# -- the threshold pass's own fast paths ------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 5, 8, 1003, 4096])
+@pytest.mark.parametrize("share", [0.0, 0.001, 0.05, 0.3, 1.0])
+def test_positions_at_or_above_equals_nonzero(size, share):
+    """Word-wise scan (8 flags per int64) == ``nonzero(bits >= lowest)``, sparse or dense, any tail."""
+    g = torch.Generator().manual_seed(size)
+    bits = torch.randint(-(1 << 31), (1 << 31) - 1, (size,), generator=g, dtype=torch.int64).to(torch.int32)
+    lowest = int(torch.quantile(bits.double(), 1 - share)) if size and 0 < share < 1 else (
+        -(1 << 31) if share == 1.0 else (1 << 31) - 1)
+    assert torch.equal(positions_at_or_above(bits, lowest), torch.nonzero(bits >= lowest).squeeze(1))
+
+
+def test_diagonal_scores_in_place_equal_a_fresh_buffer():
+    g = torch.Generator().manual_seed(4)
+    delta, fisher = torch.randn(33, 17, generator=g), torch.rand(33, 17, generator=g).to(torch.bfloat16)
+    fresh = diagonal_scores(fisher, delta)
+    buffer = delta.clone()
+    assert torch.equal(diagonal_scores(fisher, buffer, in_place=True), fresh)
+    assert torch.equal(buffer, fresh)  # Δ's own buffer holds the scores
+
+
+def test_read_ahead_keeps_order_and_raises_for_its_item():
+    assert list(threshold_pass.read_ahead([], lambda item: item)) == []
+    assert list(threshold_pass.read_ahead([3, 1, 2], lambda item: item * item)) == [(3, 9), (1, 1), (2, 4)]
+
+    def fail_on_two(item):
+        if item == 2:
+            raise GraftError(f"bad block {item}")
+        return item
+
+    seen = []
+    with pytest.raises(GraftError, match="bad block 2"):
+        for item, _ in threshold_pass.read_ahead([1, 2, 3], fail_on_two):
+            seen.append(item)
+    assert seen == [1]  # item 1 arrives; item 2's error is raised where it would be consumed

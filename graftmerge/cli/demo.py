@@ -63,11 +63,11 @@ def write_prompts(path: Path, vocab_size: int, count: int = 8, seed: int = 0) ->
               help="Instead: train a small LM here and compare SFT, OPSD and grafts, every choice made on "
                    "validation (one seed, reduced grid; ≤ 5 min on 2 idle cores).")
 @click.option("--full", "size", flag_value="full",
-              help="The pre-registered experiment: bigger LM, 3 seeds, 4 donors, both OPSD divergences, the "
+              help="The pre-registered experiment: the same LM, 3 seeds, 4 donors, both OPSD divergences, the "
                    "full grid (≤ 30 min on 2 idle cores).")
 @click.option("--tiny", "size", flag_value="tiny", hidden=True)
 @click.option("--replay", type=click.Choice(["none", "offpolicy", "own"]), default=None,
-              help="With --lm/--full: what is mixed into the new facts (1 per 5 new-fact sequences, ~17%%): "
+              help="With --lm/--full: what is mixed into the new facts (1 per 5 new-fact sequences, ~17%): "
                    "none, offpolicy (a related task in a teacher's format) or own (θpost's task A)  "
                    "[default: offpolicy].")
 @click.option("--jobs", type=click.IntRange(0, 64), default=None,

@@ -90,7 +90,7 @@ def _bit_chunks(scores: torch.Tensor):
         yield bits[start : start + _CHUNK]
 
 
-def _positions_at_or_above(bits: torch.Tensor, lowest: int) -> torch.Tensor:
+def positions_at_or_above(bits: torch.Tensor, lowest: int) -> torch.Tensor:
     """``nonzero(bits >= lowest)`` (int64), cheaper when few qualify: whole words of the mask first.
 
     ``nonzero`` over a chunk's boolean mask is the slowest step of the coarse pass. Read
@@ -182,7 +182,7 @@ class ThresholdSearch:
             self._positives += bits.numel()
         else:
             self._positives += int(torch.count_nonzero(bits >= _FIRST_NORMAL_BITS))
-        at_or_above = _positions_at_or_above(bits, self._running_bound(counts if early else None) << 16)
+        at_or_above = positions_at_or_above(bits, self._running_bound(counts if early else None) << 16)
         kept = bits[at_or_above]
         if not early:
             counts = torch.bincount(kept >> 16, minlength=_COARSE_BINS).cpu()
@@ -225,7 +225,7 @@ class ThresholdSearch:
             return
         self._pruned_at = bound
         for name, parts in self._spills.items():
-            keep = [_positions_at_or_above(p, bound << 16) for p in parts]
+            keep = [positions_at_or_above(p, bound << 16) for p in parts]
             self._spills[name] = [p.index_select(0, k) for p, k in zip(parts, keep)]
             if name in self._positions:
                 self._positions[name] = [p.index_select(0, k) for p, k in zip(self._positions[name], keep)]
