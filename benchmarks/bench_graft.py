@@ -12,6 +12,7 @@ Measured side by side in one run, medians of --repeats:
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import time
 from pathlib import Path
@@ -20,6 +21,9 @@ import torch
 from common import median, qwen3_config, time_merges, write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from graftmerge.formats.checkpoint import Checkpoint
+from graftmerge.formats.fisher_cache import FisherCacheWriter
 
 
 def build_inputs(workdir: Path, config, with_fisher: bool = True) -> None:
@@ -40,8 +44,6 @@ def build_inputs(workdir: Path, config, with_fisher: bool = True) -> None:
         if not (workdir / name).exists():
             write_checkpoint(workdir / name, config, derived(scale))
     if with_fisher and not (workdir / "fisher-diag").exists():
-        from graftmerge.formats.checkpoint import Checkpoint
-        from graftmerge.formats.fisher_cache import FisherCacheWriter
 
         post = Checkpoint(workdir / "post")
         with FisherCacheWriter(workdir / "fisher-diag", model=workdir / "post", max_shard_bytes=500_000_000) as w:
@@ -50,7 +52,6 @@ def build_inputs(workdir: Path, config, with_fisher: bool = True) -> None:
 
 
 def _shard_of(folder: Path, name: str) -> str:
-    import json
 
     return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][name]
 
@@ -110,7 +111,6 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(f"building inputs in {args.workdir} ...", flush=True)
     build_inputs(args.workdir, config)
-    from graftmerge.formats.checkpoint import Checkpoint
 
     params = sum(info.numel for info in Checkpoint(args.workdir / "post").tensors.values())
     print(f"model: {params / 1e9:.3f}B parameters, bf16, tied embeddings; torch threads {torch.get_num_threads()}")

@@ -32,19 +32,33 @@ per Linear weight) and rank-K copies of it (`graftmerge fisher compress`, K from
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import yaml
 from bench_graft import CONFIGS, build_inputs
 from common import BIN, qwen3_config, timed_run
+from mergekit.config import MergeConfiguration
+from mergekit.merge import run_merge
+from mergekit.options import MergeOptions
+from torch.profiler import ProfilerActivity, profile
 
-from graftmerge.formats.fisher_cache import KfacFactors, check_orthonormal
-from graftmerge.math.projection import TensorFisher, remove_masked, score_delta
+from graftmerge.adapter import import_hook
+from graftmerge.formats.checkpoint import Checkpoint
+from graftmerge.formats.fisher_cache import FisherCacheWriter, KfacFactors, check_orthonormal
+from graftmerge.formats.rotation_store import RotationStore
+from graftmerge.math.projection import KFAC_ROTATIONS, TensorFisher, remove_masked, score_delta
 from graftmerge.math.selection import mask_from_threshold
+from graftmerge.pipeline.fisher_compress import compress_cache
+from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config
+from graftmerge.pipeline.threshold_pass import compute_global_threshold
 
 
 def best_seconds(fn, repeats: int = 9) -> float:
@@ -110,7 +124,6 @@ LAYERS = 28
 
 def orthonormal_check_benchmark(repeats: int = 3) -> None:
     """Seconds per side of the full check on read, and what it adds to one whole-model KFAC merge."""
-    import hashlib
 
     g = torch.Generator().manual_seed(0)
     check, digest = {}, {}
@@ -129,8 +142,6 @@ def orthonormal_check_benchmark(repeats: int = 3) -> None:
 
 
 def write_kfac_cache(workdir: Path) -> Path:
-    from graftmerge.formats.checkpoint import Checkpoint
-    from graftmerge.formats.fisher_cache import FisherCacheWriter
 
     path = workdir / "fisher-kfac"
     if path.exists():
@@ -164,7 +175,6 @@ KFAC_CONFIG = kfac_config()
 
 def compact_cache(workdir: Path, rank: int) -> tuple[Path, dict[str, list[int] | None]]:
     """``fisher-kfac-r<K>`` (written once) and the kept eigenvector indices of each side key."""
-    from graftmerge.pipeline.fisher_compress import compress_cache
 
     path, kept_file = workdir / f"fisher-kfac-r{rank}", workdir / f"fisher-kfac-r{rank}.kept.json"
     if not (path.exists() and kept_file.exists()):
@@ -179,14 +189,8 @@ def compact_cache(workdir: Path, rank: int) -> tuple[Path, dict[str, list[int] |
 
 def kept_masks(workdir: Path, fisher: str, rho: float):
     """(inputs, flat mask positions of every ranked tensor) of a fresh threshold pass."""
-    import tempfile
 
-    import yaml
-    from mergekit.config import MergeConfiguration
 
-    from graftmerge.formats.rotation_store import RotationStore
-    from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config
-    from graftmerge.pipeline.threshold_pass import compute_global_threshold
 
     text = kfac_config(fisher, rho).format(w=workdir.resolve())
     inputs = GraftInputs.open(plan_from_merge_config(MergeConfiguration.model_validate(yaml.safe_load(text))))
@@ -255,18 +259,10 @@ def timed_runs(workdir: Path, configs: dict[str, str], repeats: int, user_cache:
 
 def count_and_profile(workdir: Path, user_cache: Path) -> None:
     """One in-process merge, threshold pass included: Δ̃ computations per KFAC weight, time in matmuls."""
-    import os
 
-    import yaml
-    from mergekit.config import MergeConfiguration
-    from mergekit.options import MergeOptions
-    from torch.profiler import ProfilerActivity, profile
 
-    from graftmerge.adapter import import_hook
-    from graftmerge.math.projection import KFAC_ROTATIONS
 
     import_hook.install()
-    from mergekit.merge import run_merge
 
     config = MergeConfiguration.model_validate(yaml.safe_load(kfac_config().format(w=workdir.resolve())))
     os.environ["GRAFTMERGE_CACHE_DIR"] = str(user_cache)
@@ -289,7 +285,6 @@ def count_and_profile(workdir: Path, user_cache: Path) -> None:
 
 
 def main() -> None:
-    import os
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("bench-work"))

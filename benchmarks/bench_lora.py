@@ -23,17 +23,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
+import yaml
 from bench_graft import build_inputs
 from bench_kfac import write_kfac_cache
 from common import median, qwen3_config, time_merges, write_checkpoint
+from mergekit.config import MergeConfiguration
 from safetensors.torch import save_file
 
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.lora_adapter import open_lora_fine_tune
+from graftmerge.math.projection import KFAC_ROTATIONS
 from graftmerge.pipeline.delta_extract import extract_delta
+from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config
+from graftmerge.pipeline.threshold_pass import compute_global_threshold
 
 RANK, ALPHA = 16, 32
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -92,14 +98,8 @@ def threshold_pass_seconds(workdir: Path, folder: str, repeats: int) -> tuple[fl
     Less exposed to a busy machine than whole-process medians: the best of ``repeats``
     after one untimed pass (the Fisher cache checks every basis on its first read).
     """
-    import time
 
-    import yaml
-    from mergekit.config import MergeConfiguration
 
-    from graftmerge.math.projection import KFAC_ROTATIONS
-    from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config
-    from graftmerge.pipeline.threshold_pass import compute_global_threshold
 
     text = graft_config(folder, MASKS["rho 0.001 global KFAC"]).format(w=workdir.resolve())
     inputs = GraftInputs.open(plan_from_merge_config(MergeConfiguration.model_validate(yaml.safe_load(text))))
