@@ -29,11 +29,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-from transformers.utils import logging as hf_logging
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.gguf_header import GgufLayout, check_model_tensors, open_gguf
 from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
+from graftmerge.formats.transformers_logging import quiet_transformers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,7 +81,7 @@ def causal_lm_config(header: GgufHeader):
     """transformers' config for the GGUF; GraftError unless transformers maps it to a causal LM."""
     path = header.path
     try:
-        with _quiet_transformers(), _gguf_alone(path) as folder:
+        with quiet_transformers(), _gguf_alone(path) as folder:
             config = AutoConfig.from_pretrained(folder, gguf_file=path.name, trust_remote_code=False)
     except (ValueError, KeyError, OSError, NotImplementedError) as error:
         raise GraftError(
@@ -166,7 +166,7 @@ def check_implied_model(header: GgufHeader, config) -> None:
             raise GraftError(f"{header.path}: its metadata makes {attribute} {value}, but the file has {actual} "
                              f"{what}; the metadata does not describe its tensors")
     try:
-        with _quiet_transformers(), torch.device("meta"):
+        with quiet_transformers(), torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as error:  # noqa: BLE001 - whatever stops transformers building the model the metadata describes
         raise GraftError(f"{header.path}: transformers cannot build the model its metadata describes "
@@ -225,7 +225,7 @@ def _load_model(header: GgufHeader, dtype: torch.dtype):
     unpacked = {"quantization_config": GGUF_CONFIG(dequantize=True)} if GGUF_CONFIG is not None else {}
     path = header.path
     try:
-        with _quiet_transformers(), _gguf_alone(path) as folder:
+        with quiet_transformers(), _gguf_alone(path) as folder:
             model, info = AutoModelForCausalLM.from_pretrained(
                 folder, gguf_file=path.name, dtype=dtype, output_loading_info=True, trust_remote_code=False,
                 **unpacked,
@@ -248,7 +248,7 @@ def _load_tokenizer(header: GgufHeader) -> Any:
     """The GGUF's tokenizer as transformers reads it; GraftError naming the file if it cannot."""
     path = header.path
     try:
-        with _quiet_transformers(), _gguf_alone(path) as folder:
+        with quiet_transformers(), _gguf_alone(path) as folder:
             return AutoTokenizer.from_pretrained(folder, gguf_file=path.name, trust_remote_code=False)
     except (ValueError, KeyError, OSError, NotImplementedError) as error:
         raise GraftError(f"cannot import the tokenizer of {path}: {_first_line(error)}") from error
@@ -277,17 +277,6 @@ def _gguf_alone(path: Path) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="graftmerge-gguf-") as folder:
         (Path(folder) / path.name).symlink_to(path.resolve())
         yield folder
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """transformers logs GGUF parsing details at warning level; they are not the user's concern."""
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def _first_line(error: BaseException) -> str:

@@ -22,11 +22,9 @@ each tensor kept or lost; see docs/delta-tool.md.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +36,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.pytorch_utils import Conv1D
-from transformers.utils import logging as hf_logging
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.lora_adapter import CONFIG_NAME, KEY_PREFIX, WEIGHTS_NAME
+from graftmerge.formats.transformers_logging import quiet_transformers
 
 LORA_MANIFEST_NAME = "lora_manifest.json"  # graftmerge's record beside PEFT's two files; PEFT and the reader ignore it
 LORA_FORMAT_NAME = "graftmerge.lora"
@@ -79,17 +77,6 @@ class ModelLayers:
         return module in self.tied or f"{self.prefix}.{module}" in self.tied
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """transformers' own logging at error level while the meta model is built."""
-    previous = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(previous)
-
-
 def model_layers(folder: str | Path, label: str) -> ModelLayers:
     """The donor's modules, from its ``config.json``, built on the meta device (never its own code)."""
     folder = Path(folder)
@@ -97,7 +84,7 @@ def model_layers(folder: str | Path, label: str) -> ModelLayers:
         raise GraftError(f"{label} has no config.json; --rank needs it (PEFT adapts modules, and which "
                          "are Linear, Conv1D or Embedding layers comes from the model's config)")
     try:
-        with _quiet():
+        with quiet_transformers():
             config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
             named = (getattr(config, "architectures", None) or [None])[0]
             model_class = getattr(transformers, named, None) if isinstance(named, str) else None
