@@ -3,8 +3,6 @@
 - The threshold pass keeps each tensor's final mask (``ThresholdSearch.masked_positions``)
   and each KFAC weight's candidate pairs, so the merge right after it removes the mask
   without reading the Fisher cache or rotating Δ again: same bits as scoring again.
-- The threshold pass runs in a background thread while mergekit sets up; the kernel waits
-  for it, an early exit stops it, its errors are never lost.
 - An eigenbasis that passed the full orthonormality check is recorded by content digest in
   the user cache folder, so later reads skip the Gram; other bytes are still checked.
 """
@@ -12,8 +10,6 @@
 from __future__ import annotations
 
 import functools
-import threading
-from concurrent.futures import wait
 
 import pytest
 import torch
@@ -36,7 +32,6 @@ from graftmerge.math.projection import (
 )
 from graftmerge.math.scores import diagonal_scores
 from graftmerge.math.selection import mask_from_threshold, top_k_mask
-from graftmerge.pipeline.graft_plan import read_graft_config
 
 # -- the mask the search keeps ----------------------------------------------------------------
 
@@ -250,81 +245,3 @@ def test_read_ahead_keeps_order_and_raises_for_its_item():
         for item, _ in threshold_pass.read_ahead([1, 2, 3], fail_on_two):
             seen.append(item)
     assert seen == [1]  # item 1 arrives; item 2's error is raised where it would be consumed
-
-
-# -- the threshold pass while mergekit sets up ----------------------------------------------------
-
-
-@pytest.fixture
-def masked_inputs(tmp_path, monkeypatch, tied_models, tied_diag_cache):
-    """Opened inputs of a global diagonal graft, thresholds computed afresh (nothing cached)."""
-    m = tied_models
-    config = tmp_path / "graft.yml"
-    config.write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.5)], rho=0.05, fisher=tied_diag_cache))
-    monkeypatch.setenv(threshold_pass.NO_CACHE_ENV, "1")
-    graft.forget_process_state()
-    yield graft.open_inputs(read_graft_config(str(config))[2])
-    graft.forget_process_state()
-
-
-def prepare_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("graft-prepare")]
-
-
-def test_the_kernel_waits_for_the_pass_and_sees_its_threshold(masked_inputs, monkeypatch):
-    release = threading.Event()
-    score = threshold_pass._score_block
-    monkeypatch.setattr(threshold_pass, "_score_block", lambda *args: release.wait() and score(*args))
-    with graft.prepared_meanwhile(masked_inputs, progress=False):
-        waiter = threading.Thread(target=graft.wait_prepared, args=(masked_inputs,))
-        waiter.start()
-        waiter.join(timeout=0.5)
-        assert waiter.is_alive()  # the pass is held: a kernel would wait
-        release.set()
-        waiter.join()
-        uncached = masked_inputs.memo[("uncached threshold", "cpu")]
-    assert uncached == threshold_pass.compute_global_threshold(masked_inputs, progress=False)
-    assert "preparing" not in masked_inputs.memo and not prepare_threads()
-
-
-def test_leaving_the_block_early_stops_the_pass(masked_inputs, monkeypatch):
-    scored, stopped = [], threading.Event()
-    score = threshold_pass._score_block
-
-    def held_after_first(*args):
-        if scored:
-            stopped.wait()  # later blocks are scored only once the block has failed and told the pass to stop
-        scored.append(args[-1])
-        return score(*args)
-
-    def stop_then_wait(futures):
-        stopped.set()  # called right after the stop event is set
-        return wait(futures)
-
-    monkeypatch.setattr(threshold_pass, "_score_block", held_after_first)
-    monkeypatch.setattr(graft, "wait_for", stop_then_wait)
-    with pytest.raises(RuntimeError, match="mergekit failed"), graft.prepared_meanwhile(masked_inputs, progress=False):
-        raise RuntimeError("mergekit failed")
-    assert not prepare_threads()  # the pass stopped and was waited for
-    assert ("uncached threshold", "cpu") not in masked_inputs.memo  # it never finished
-    blocks = sum(len(masked_inputs.row_blocks(name)) for name in masked_inputs.ranked_names())
-    assert len(scored) <= 3 < blocks  # the block in flight when it was told, and at most two read ahead
-
-
-def test_an_error_of_the_pass_is_raised_even_if_no_tensor_waited(masked_inputs, monkeypatch):
-    def bad_block(inputs, device, block):
-        raise GraftError(f"Fisher cache: {block[0]!r} contains NaN or Inf")
-
-    monkeypatch.setattr(threshold_pass, "_score_block", bad_block)
-    with pytest.raises(GraftError, match="contains NaN or Inf"), graft.prepared_meanwhile(masked_inputs, progress=False):
-        pass
-    assert not prepare_threads()
-
-
-def test_an_unmasked_plan_starts_no_thread(tmp_path, tied_models):
-    m = tied_models
-    config = tmp_path / "graft.yml"
-    config.write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.5)]))
-    inputs = graft.open_inputs(read_graft_config(str(config))[2])
-    with graft.prepared_meanwhile(inputs, progress=False):
-        assert not prepare_threads() and "preparing" not in inputs.memo

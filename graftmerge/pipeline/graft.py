@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_for
 from pathlib import Path
 
 import click
@@ -35,7 +32,6 @@ from graftmerge.pipeline.graft_plan import (
 )
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit, scored_delta
 from graftmerge.pipeline.threshold_pass import (
-    PassStopped,
     compute_global_threshold,
     forget_thresholds,
     global_threshold,
@@ -69,63 +65,25 @@ def was_validated(plan: GraftPlan) -> bool:
     return _without_dtype(plan) in _VALIDATED_PLANS
 
 
-def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True, scratch: Path | None = None,
-            stop: threading.Event | None = None) -> None:
+def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True, scratch: Path | None = None) -> None:
     """Everything a mask needs before the first tensor: the global threshold, or a value scan.
 
     With ``scratch``, a fresh threshold pass keeps there what the merge needs (each KFAC
     weight's candidate pairs or Δ̃, every kept tensor's final mask), so the merge applies
-    those masks without reading the Fisher cache again. Setting ``stop`` makes it raise
-    ``PassStopped`` at its next tensor.
+    those masks without reading the Fisher cache again.
     """
     if not inputs.plan.masked:
         return
     if inputs.plan.rho_scope == "global":
         rotations = RotationStore(scratch) if scratch is not None else None
-        global_threshold(inputs, device=device, progress=progress, rotations=rotations, stop=stop)
+        global_threshold(inputs, device=device, progress=progress, rotations=rotations)
         if rotations is not None:
             inputs.memo["rotations"] = rotations
             if rotations.has_masks:  # the pass ran now (not a cached threshold)
                 inputs.memo["kept_masks"] = rotations
     else:
         for name in inputs.ranked_names():
-            if stop is not None and stop.is_set():
-                raise PassStopped(name)
             inputs.tensor_fisher(name)  # raises on NaN, Inf or negative entries
-
-
-@contextlib.contextmanager
-def prepared_meanwhile(inputs: GraftInputs, device: str = "cpu", progress: bool = True,
-                       scratch: Path | None = None) -> Iterator[None]:
-    """``prepare`` in a background thread while the block runs: mergekit's own set-up overlaps the pass.
-
-    Between ``run_merge`` and its first tensor mergekit warms its loaders, reads configs and
-    plans its task graph (seconds of mostly single-threaded Python); the threshold pass needs
-    none of it. The kernel waits for the pass before its first masked tensor
-    (``wait_prepared``), so every tensor sees the finished threshold; an error the pass raised
-    is raised there, or when the block ends if no tensor waited. A block left early stops the
-    pass at its next tensor and waits for it: no thread outlives the block.
-    """
-    if not inputs.plan.masked:
-        yield
-        return
-    stop = threading.Event()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="graft-prepare") as pool:
-        pending = inputs.memo["preparing"] = pool.submit(prepare, inputs, device, progress, scratch, stop)
-        try:
-            yield
-            pending.result()
-        finally:
-            stop.set()
-            wait_for([pending])
-            inputs.memo.pop("preparing", None)
-
-
-def wait_prepared(inputs: GraftInputs) -> None:
-    """Block until a background ``prepare`` of these inputs is done; raise what it raised."""
-    pending = inputs.memo.get("preparing")
-    if pending is not None:
-        pending.result()
 
 
 def graft_tensor(
@@ -162,7 +120,6 @@ def graft_opened(
 
 
 def _masked(inputs: GraftInputs, name: str, delta: torch.Tensor) -> torch.Tensor:
-    wait_prepared(inputs)
     plan = inputs.plan
     if plan.rho_scope == "tensor":
         fisher = inputs.tensor_fisher(name).to(delta.device)
@@ -230,9 +187,7 @@ def graft_in_memory(inputs: GraftInputs, device: torch.device | str = "cpu") -> 
 
 
 def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, config_source=None):
-    """mergekit's ``run_merge`` for a graft config: lock OUT, validate, then OUT replaced whole.
-
-    The threshold pass runs while mergekit sets up (``prepared_meanwhile``).
+    """mergekit's ``run_merge`` for a graft config: lock OUT, validate, pre-pass, then OUT replaced whole.
 
     OUT may be replaced only when it is empty or holds nothing but files a merge writes.
     """
@@ -242,10 +197,10 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
             inputs = open_inputs(plan)
             _VALIDATED_PLANS[_without_dtype(plan)] = plan
             try:
+                prepare(inputs, device=options.device or "cpu", progress=not options.quiet,
+                        scratch=output.scratch / "kfac-rotations")
                 # staging has OUT's basename: mergekit names the model card after it
-                with (prepared_meanwhile(inputs, device=options.device or "cpu", progress=not options.quiet,
-                                         scratch=output.scratch / "kfac-rotations"),
-                      lora_inputs_in_mergekit(merge_config, inputs) as config):  # LoRA inputs read unmerged
+                with lora_inputs_in_mergekit(merge_config, inputs) as config:  # LoRA inputs read unmerged
                     if config is not merge_config and config_source is None:
                         config_source = merge_config.to_yaml()  # the card shows the config as written
                     return run_merge(config, str(output.staging), options=options, config_source=config_source)

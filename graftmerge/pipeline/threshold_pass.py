@@ -15,7 +15,6 @@ import functools
 import hashlib
 import json
 import os
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,12 +38,6 @@ _MEMORY: dict[str, GlobalThreshold] = {}
 def forget_thresholds() -> None:
     """Drop the thresholds this process remembers (the on-disk cache is kept)."""
     _MEMORY.clear()
-
-
-class PassStopped(Exception):
-    """The pass was told to stop (its ``stop`` event was set) before it finished."""
-
-
 NO_CACHE_ENV = "GRAFTMERGE_NO_THRESHOLD_CACHE"
 
 
@@ -100,20 +93,18 @@ def _threshold_key(inputs: GraftInputs, device: str) -> str:
 
 
 def global_threshold(
-    inputs: GraftInputs, device: str = "cpu", progress: bool = True, rotations: RotationStore | None = None,
-    stop: threading.Event | None = None,
+    inputs: GraftInputs, device: str = "cpu", progress: bool = True, rotations: RotationStore | None = None
 ) -> GlobalThreshold:
     """The global threshold for a plan: from memory, the on-disk cache, or a fresh pass.
 
     A fresh pass saves each KFAC weight's Δ̃ into ``rotations`` when given. With the
     cache disabled (``threshold_cache_enabled``), it is computed once for these opened
-    inputs and neither read from nor written to memory or disk. A fresh pass raises
-    ``PassStopped`` at its next row block once ``stop`` is set.
+    inputs and neither read from nor written to memory or disk.
     """
     if not threshold_cache_enabled():
         if ("uncached threshold", device) not in inputs.memo:
             inputs.memo[("uncached threshold", device)] = compute_global_threshold(
-                inputs, device=device, progress=progress, rotations=rotations, stop=stop)
+                inputs, device=device, progress=progress, rotations=rotations)
         return inputs.memo[("uncached threshold", device)]
     key = threshold_key(inputs, device)
     if key in _MEMORY:
@@ -127,7 +118,7 @@ def global_threshold(
         if result is not None:
             _MEMORY[key] = result
             return result
-    result = compute_global_threshold(inputs, device=device, progress=progress, rotations=rotations, stop=stop)
+    result = compute_global_threshold(inputs, device=device, progress=progress, rotations=rotations)
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(result.to_json()))
@@ -137,8 +128,7 @@ def global_threshold(
 
 
 def compute_global_threshold(
-    inputs: GraftInputs, device: str = "cpu", progress: bool = True, rotations: RotationStore | None = None,
-    stop: threading.Event | None = None,
+    inputs: GraftInputs, device: str = "cpu", progress: bool = True, rotations: RotationStore | None = None
 ) -> GlobalThreshold:
     """Radix-select the exact ⌈ρ·D⌉-th largest score over all ranked tensors, streaming.
 
@@ -156,8 +146,6 @@ def compute_global_threshold(
           ThreadPoolExecutor(max_workers=1) as writer):  # files for the merge are written meanwhile
         saved = []
         for (name, rows), (fisher, scores, rotated) in read_ahead(blocks, score):
-            if stop is not None and stop.is_set():
-                raise PassStopped(name)
             if rows is None or rows[0] == 0:
                 stage_reached("scoring")
                 bar.update()
