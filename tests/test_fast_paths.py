@@ -3,8 +3,6 @@
 - The threshold pass keeps each tensor's final mask (``ThresholdSearch.masked_positions``)
   and each KFAC weight's candidate pairs, so the merge right after it removes the mask
   without reading the Fisher cache or rotating Δ again: same bits as scoring again.
-- A global diagonal mask is found while merging (the kernel's own Δ scored, the written
-  output patched after): the same shard bytes as a pass before the merge.
 - An eigenbasis that passed the full orthonormality check is recorded by content digest in
   the user cache folder, so later reads skip the Gram; other bytes are still checked.
 """
@@ -12,17 +10,15 @@
 from __future__ import annotations
 
 import functools
-import threading
 
 import pytest
 import torch
-from conftest import graft_yaml, read_model, run_cli, spd, write_mixed_cache
+from conftest import graft_yaml, read_model, run_cli, spd, write_diagonal_cache, write_mixed_cache
 from test_selection import brute_force_mask, continuous_scores, tied_scores
 
 import graftmerge.formats.fisher_cache as fisher_cache
 import graftmerge.pipeline.graft as graft
 import graftmerge.pipeline.threshold_pass as threshold_pass
-import graftmerge.pipeline.threshold_while_merging as threshold_while_merging
 from graftmerge.errors import GraftError
 from graftmerge.formats.fisher_cache import FisherCacheWriter, KfacFactors, open_fisher_cache
 from graftmerge.math.global_threshold import ThresholdSearch, positions_at_or_above
@@ -123,15 +119,14 @@ def count_calls(monkeypatch, module, name: str) -> list:
     return calls
 
 
+@pytest.mark.parametrize("cache_kind", ["diagonal", "mixed"])
 @pytest.mark.parametrize("spill_limit", [None, 200], ids=["kept", "overflowing"])
-def test_merge_with_kept_masks_equals_merge_from_cached_threshold(tmp_path, monkeypatch, tied_models, spill_limit):
-    """A fresh pass (masks kept) and a cached threshold (everything scored again) give the same bits.
-
-    A mixed cache (KFAC and diagonal entries) needs the pass before the merge; a diagonal
-    one is found while merging (tested below).
-    """
+def test_merge_with_kept_masks_equals_merge_from_cached_threshold(tmp_path, monkeypatch, tied_models, cache_kind,
+                                                                   spill_limit):
+    """A fresh pass (masks kept) and a cached threshold (everything scored again) give the same bits."""
     m = tied_models
-    fisher = write_mixed_cache(tmp_path / "fisher", m["post"])
+    write = write_diagonal_cache if cache_kind == "diagonal" else write_mixed_cache
+    fisher = write(tmp_path / "fisher", m["post"])
     if spill_limit is not None:  # some tensors overflow: their Δ̃ is kept whole, they are scored again
         monkeypatch.setattr(threshold_pass, "ThresholdSearch", functools.partial(ThresholdSearch, spill_limit=spill_limit))
     config = tmp_path / "graft.yml"
@@ -141,7 +136,9 @@ def test_merge_with_kept_masks_equals_merge_from_cached_threshold(tmp_path, monk
     fast = {name: count_calls(monkeypatch, graft, name) for name in ("remove_masked_coordinates", "remove_masked_pairs")}
     slow = count_calls(monkeypatch, graft, "remove_masked")
     assert run_cli("mergekit-yaml", str(config), str(tmp_path / "fresh"), env=env).returncode == 0
-    assert all(len(calls) > 0 for calls in fast.values())
+    used = {name: len(calls) for name, calls in fast.items()}
+    assert used["remove_masked_coordinates"] > 0
+    assert (used["remove_masked_pairs"] > 0) == (cache_kind == "mixed")
     rescored = len(slow)
     assert (rescored > 0) == (spill_limit is not None)  # overflowing tensors only
     for calls in (*fast.values(), slow):
@@ -152,63 +149,6 @@ def test_merge_with_kept_masks_equals_merge_from_cached_threshold(tmp_path, monk
     assert fresh.keys() == cached.keys()
     for name in fresh:
         assert torch.equal(fresh[name].view(torch.int32), cached[name].view(torch.int32)), name
-
-
-def shard_bytes(folder) -> dict[str, bytes]:
-    return {file.name: file.read_bytes() for file in sorted(folder.glob("*.safetensors"))}
-
-
-@pytest.mark.parametrize("dtype, out_dtype", [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"),
-                                              ("float16", "float32")])
-@pytest.mark.parametrize("spill_limit", [None, 200], ids=["kept", "overflowing"])
-def test_a_mask_found_while_merging_equals_a_pass_before_and_a_cached_threshold(
-        tmp_path, monkeypatch, tied_models, tied_diag_cache, dtype, out_dtype, spill_limit):
-    """Three routes to one global diagonal mask write the same shard bytes: scores found while
-    merging (output patched after), a pass before the merge, a threshold from the cache."""
-    m = tied_models
-    if spill_limit is not None:  # kept scores overflow: those tensors' masks are found from the files again
-        monkeypatch.setattr(threshold_while_merging, "ThresholdSearch",
-                            functools.partial(ThresholdSearch, spill_limit=spill_limit))
-    config = tmp_path / "graft.yml"
-    config.write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.7), (m["donor_ft2"], 0.4)], rho=0.05,
-                                 fisher=tied_diag_cache, dtype=dtype, out_dtype=out_dtype))
-    env = {"GRAFTMERGE_CACHE_DIR": str(tmp_path / "cache")}
-    patched = count_calls(monkeypatch, threshold_while_merging, "overwrite_elements")
-    rescored = count_calls(monkeypatch, threshold_while_merging.ThresholdWhileMerging, "_rescored_mask")
-    passes = count_calls(monkeypatch, threshold_pass, "compute_global_threshold")
-    assert run_cli("mergekit-yaml", str(config), str(tmp_path / "while"), env=env).returncode == 0
-    assert patched and not passes and bool(rescored) == (spill_limit is not None)
-    patched.clear()
-    assert run_cli("mergekit-yaml", str(config), str(tmp_path / "cached"), env=env).returncode == 0
-    assert not patched and not passes  # the threshold found while merging was cached
-    monkeypatch.setattr(graft, "scores_while_merging", lambda inputs: False)
-    assert run_cli("mergekit-yaml", str(config), str(tmp_path / "before"),
-                   env={**env, threshold_pass.NO_CACHE_ENV: "1"}).returncode == 0
-    assert passes and not patched
-    expected = shard_bytes(tmp_path / "before")
-    assert expected and shard_bytes(tmp_path / "while") == expected and shard_bytes(tmp_path / "cached") == expected
-
-
-def test_a_merge_that_fails_while_scoring_leaves_no_thread_and_no_output(tmp_path, monkeypatch, tied_models,
-                                                                         tied_diag_cache):
-    m = tied_models
-    config = tmp_path / "graft.yml"
-    config.write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.5)], rho=0.05, fisher=tied_diag_cache))
-    add = threshold_while_merging.ThresholdWhileMerging.add
-    calls = []
-
-    def fail_on_third(self, name, delta, working):
-        calls.append(name)
-        if len(calls) == 3:
-            raise GraftError(f"Fisher cache: {name!r} contains NaN or Inf")
-        return add(self, name, delta, working)
-
-    monkeypatch.setattr(threshold_while_merging.ThresholdWhileMerging, "add", fail_on_third)
-    result = run_cli("mergekit-yaml", str(config), str(tmp_path / "out"),
-                     env={"GRAFTMERGE_CACHE_DIR": str(tmp_path / "cache")})
-    assert result.returncode != 0 and "contains NaN or Inf" in result.stderr
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
-    assert not [t for t in threading.enumerate() if t.name.startswith("graft-threshold")]
 
 
 # -- the orthonormality record ------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import mmap
 import os
 import re
 import struct
@@ -77,26 +76,6 @@ class SafetensorsLayout:
     header_sha256: str
     tensors: dict[str, TensorInfo]
     offsets: dict[str, tuple[int, int]]  # [begin, end) of each tensor within the data section
-
-
-def overwrite_elements(layout: SafetensorsLayout, changes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Write ``values`` at flat ``positions`` of each named tensor, in place in ``layout.file``.
-
-    For a shard this process has just written (a merge's staging folder), never an input:
-    ``changes`` maps a tensor name to ``(positions, values)``, values in the stored dtype.
-    """
-    with open(layout.file, "r+b") as handle, mmap.mmap(handle.fileno(), 0) as mapped:
-        for name, (positions, values) in changes.items():
-            info = layout.tensors[name]
-            if values.dtype != info.torch_dtype or positions.numel() != values.numel():
-                raise ValueError(f"{layout.file}: {name!r} is {info.dtype}, cannot take {values.numel()} {values.dtype} values")
-            if positions.numel() == 0:
-                continue
-            flat = torch.frombuffer(mapped, dtype=info.torch_dtype, count=info.numel,
-                                    offset=layout.data_start + layout.offsets[name][0])
-            flat[positions] = values
-            del flat  # the mapping closes only once no tensor views it
-        mapped.flush()
 
 
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:

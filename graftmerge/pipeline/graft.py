@@ -35,10 +35,7 @@ from graftmerge.pipeline.threshold_pass import (
     compute_global_threshold,
     forget_thresholds,
     global_threshold,
-    known_threshold,
-    remember_threshold,
 )
-from graftmerge.pipeline.threshold_while_merging import ThresholdWhileMerging, scores_while_merging
 
 # Plans validated by run_graft_merge, by everything but dtype: the kernel sees
 # tensors already cast and cannot read the config's dtype itself.
@@ -68,21 +65,14 @@ def was_validated(plan: GraftPlan) -> bool:
     return _without_dtype(plan) in _VALIDATED_PLANS
 
 
-def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True, scratch: Path | None = None,
-            while_merging: bool = False) -> None:
+def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True, scratch: Path | None = None) -> None:
     """Everything a mask needs before the first tensor: the global threshold, or a value scan.
 
     With ``scratch``, a fresh threshold pass keeps there what the merge needs (each KFAC
     weight's candidate pairs or Δ̃, every kept tensor's final mask), so the merge applies
-    those masks without reading the Fisher cache again. With ``while_merging`` (the caller
-    will call ``finish_while_merging`` on the written output), a global diagonal mask not
-    already known is found during the merge instead (:mod:`threshold_while_merging`).
+    those masks without reading the Fisher cache again.
     """
     if not inputs.plan.masked:
-        return
-    if (inputs.plan.rho_scope == "global" and while_merging and device == "cpu" and scores_while_merging(inputs)
-            and known_threshold(inputs, device) is None):
-        inputs.memo["while_merging"] = ThresholdWhileMerging(inputs)
         return
     if inputs.plan.rho_scope == "global":
         rotations = RotationStore(scratch) if scratch is not None else None
@@ -125,11 +115,7 @@ def graft_opened(
         check_finite_delta(tensor, source.tensors[name].file, name)
     delta = donor_delta(donor, fine_tunes, inputs.plan.lambdas, deltas, inputs.plan.delta_lambdas)
     if inputs.plan.masked and inputs.fisher_kind(name):
-        while_merging = inputs.memo.get("while_merging")
-        if while_merging is not None:
-            while_merging.add(name, delta, post.dtype)  # masked in the written output once the threshold is known
-        else:
-            delta = _masked(inputs, name, delta)
+        delta = _masked(inputs, name, delta)
     return delta.add_(post.to(delta.dtype)).to(post.dtype)  # θpost + Δ', in Δ's buffer
 
 
@@ -210,25 +196,17 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
             plan = plan_from_merge_config(merge_config)
             inputs = open_inputs(plan)
             _VALIDATED_PLANS[_without_dtype(plan)] = plan
-            device = options.device or "cpu"
             try:
-                prepare(inputs, device=device, progress=not options.quiet, scratch=output.scratch / "kfac-rotations",
-                        while_merging=options.safe_serialization)
+                prepare(inputs, device=options.device or "cpu", progress=not options.quiet,
+                        scratch=output.scratch / "kfac-rotations")
                 # staging has OUT's basename: mergekit names the model card after it
                 with lora_inputs_in_mergekit(merge_config, inputs) as config:  # LoRA inputs read unmerged
                     if config is not merge_config and config_source is None:
                         config_source = merge_config.to_yaml()  # the card shows the config as written
-                    merged = run_merge(config, str(output.staging), options=options, config_source=config_source)
-                while_merging = inputs.memo.get("while_merging")
-                if while_merging is not None:
-                    remember_threshold(inputs, device, while_merging.finish(output.staging, progress=not options.quiet))
-                return merged
+                    return run_merge(config, str(output.staging), options=options, config_source=config_source)
             finally:
                 inputs.memo.pop("rotations", None)  # its files go with the staging folder
                 inputs.memo.pop("kept_masks", None)
-                while_merging = inputs.memo.pop("while_merging", None)
-                if while_merging is not None:
-                    while_merging.close()
     except GraftError as error:
         raise_for_cli(error, verbose=options.verbosity > 0)
 

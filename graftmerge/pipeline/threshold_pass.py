@@ -101,47 +101,30 @@ def global_threshold(
     cache disabled (``threshold_cache_enabled``), it is computed once for these opened
     inputs and neither read from nor written to memory or disk.
     """
-    result = known_threshold(inputs, device)
-    if result is None:
-        result = compute_global_threshold(inputs, device=device, progress=progress, rotations=rotations)
-        remember_threshold(inputs, device, result)
-    return result
-
-
-def known_threshold(inputs: GraftInputs, device: str = "cpu") -> GlobalThreshold | None:
-    """The threshold already found for these inputs: in memory, in the on-disk cache (if enabled), else None."""
     if not threshold_cache_enabled():
-        return inputs.memo.get(("uncached threshold", device))
+        if ("uncached threshold", device) not in inputs.memo:
+            inputs.memo[("uncached threshold", device)] = compute_global_threshold(
+                inputs, device=device, progress=progress, rotations=rotations)
+        return inputs.memo[("uncached threshold", device)]
     key = threshold_key(inputs, device)
     if key in _MEMORY:
         return _MEMORY[key]
-    file = _cache_file(key)
+    file = cache_dir() / "thresholds" / f"{key}.json"
     if file.exists():
         try:
             result = GlobalThreshold.from_json(json.loads(file.read_text()))
         except (json.JSONDecodeError, KeyError, ValueError):
-            return None  # a damaged cache entry is recomputed
-        _MEMORY[key] = result
-        return result
-    return None
-
-
-def remember_threshold(inputs: GraftInputs, device: str, result: GlobalThreshold) -> None:
-    """Keep a freshly found threshold: for these opened inputs only when the cache is disabled, else in memory and on disk."""
-    if not threshold_cache_enabled():
-        inputs.memo[("uncached threshold", device)] = result
-        return
-    key = threshold_key(inputs, device)
-    file = _cache_file(key)
+            result = None  # a damaged cache entry is recomputed
+        if result is not None:
+            _MEMORY[key] = result
+            return result
+    result = compute_global_threshold(inputs, device=device, progress=progress, rotations=rotations)
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(result.to_json()))
     os.replace(tmp, file)
     _MEMORY[key] = result
-
-
-def _cache_file(key: str):
-    return cache_dir() / "thresholds" / f"{key}.json"
+    return result
 
 
 def compute_global_threshold(
