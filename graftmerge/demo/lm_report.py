@@ -262,7 +262,8 @@ def plot_results(results: dict[str, Any], root: Path) -> list[Path]:
                         label=family, alpha=0.6)
     axes[0].set(title="every configuration, first seed (validation)", xlabel="new task", ylabel="old task A")
     axes[0].legend(fontsize=6)
-    post = first["models"]["post"]
+    post = {score: spread([seed["models"]["post"][score] for seed in results["seeds"].values()])
+            for score in ("new_test", "old_test")}  # mean ± sd over seeds, like the chosen points
     for axis, tolerance in zip(axes[1:], tolerances):
         stayed = []
         for name, row in results["chosen"][tolerance].items():
@@ -272,7 +273,8 @@ def plot_results(results: dict[str, Any], root: Path) -> list[Path]:
             axis.errorbar(row["new_test"]["mean"], row["old_test"]["mean"], xerr=row["new_test"]["sd"],
                           yerr=row["old_test"]["sd"], fmt="s" if "no mask" in name else "o", color=_colour(name))
             axis.annotate(name, (row["new_test"]["mean"], row["old_test"]["mean"]), fontsize=6)
-        axis.scatter([post["new_test"]], [post["old_test"]], marker="*", s=150, color="black", label="θpost")
+        axis.errorbar(post["new_test"]["mean"], post["old_test"]["mean"], xerr=post["new_test"]["sd"],
+                      yerr=post["old_test"]["sd"], fmt="*", markersize=12, color="black", label="θpost")
         axis.set(title=f"chosen at old val ≥ θpost − {float(tolerance):g} (test, mean ± sd)", xlim=(0, 1.02),
                  xlabel="new task (held-out phrasings)", ylabel="old task A")
         axis.legend(fontsize=7, title=f"{len(stayed)} methods stayed at θpost" if stayed else None,
