@@ -275,6 +275,11 @@ def test_a_planted_link_in_a_pulled_adapter_is_refused(fake, lora, tmp_path, mon
     assert "outside this repo's blobs" in refused_pull(fake, tmp_path, cached_before=True)
     offline(monkeypatch)
     assert "outside this repo's blobs" in refused(cli("delta", "pull", REPO))
+    (tmp_path / "g.yml").write_text(graft_config(lora["post"], [(REPO, "delta", 0.7)]))
+    for tool in (("mergekit-yaml",), ("graftmerge", "merge")):  # the Hub id in a config: refused before a read
+        result = run_cli(*tool, str(tmp_path / "g.yml"), str(tmp_path / "out"))
+        assert result.returncode != 0 and "outside this repo's blobs" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
 def test_an_adapter_is_never_pushed_as_a_delta(fake, lora):
