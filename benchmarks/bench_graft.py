@@ -52,7 +52,6 @@ def build_inputs(workdir: Path, config, with_fisher: bool = True) -> None:
 
 
 def _shard_of(folder: Path, name: str) -> str:
-
     return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][name]
 
 
