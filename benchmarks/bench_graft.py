@@ -44,7 +44,6 @@ def build_inputs(workdir: Path, config, with_fisher: bool = True) -> None:
         if not (workdir / name).exists():
             write_checkpoint(workdir / name, config, derived(scale))
     if with_fisher and not (workdir / "fisher-diag").exists():
-
         post = Checkpoint(workdir / "post")
         with FisherCacheWriter(workdir / "fisher-diag", model=workdir / "post", max_shard_bytes=500_000_000) as w:
             for tensor_name, info in post.tensors.items():
