@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import yaml
-from huggingface_hub import snapshot_download
 from mergekit.common import dtype_from_name
 from mergekit.config import MergeConfiguration
 from pydantic import ValidationError
@@ -30,13 +29,8 @@ from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache, side
 from graftmerge.formats.lora_adapter import is_lora_adapter, open_lora_delta, open_lora_fine_tune
 from graftmerge.hub.artifacts import resolve_artifact
 from graftmerge.hub.kinds import FISHER
-from graftmerge.hub.references import check_revision
-from graftmerge.hub.untrusted import (
-    check_snapshot_tree,
-    is_config_file,
-    read_json_bytes,
-    without_remote_code,
-)
+from graftmerge.hub.models import cached_model_folder
+from graftmerge.hub.untrusted import is_config_file, read_json_bytes, without_remote_code
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.projection import TensorFisher
 
@@ -122,15 +116,9 @@ def resolve_model_folder(path: str, revision: str | None = None) -> str:
         raise GraftError(f"model {path} is a file; give the model's folder")
     looks_local = path.startswith((".", "/", "~")) or path.count("/") != 1
     if not looks_local:
-        where = f"model {path}{'@' + revision if revision else ''}"
-        if revision is not None:
-            check_revision(revision, where)  # it becomes a path in the cache (refs/<revision>)
-        try:
-            folder = snapshot_download(path, revision=revision, local_files_only=True)
-        except Exception:  # noqa: BLE001 - any failure means "not in the local cache"
-            pass
-        else:  # graftmerge reads it: no link planted in the cache may lead out of the repo's blobs
-            return str(check_snapshot_tree(Path(folder), where))
+        folder = cached_model_folder(path, revision)  # revision and planted links checked; offline: says what to get
+        if folder is not None:
+            return folder
         raise GraftError(
             f"model {path} is not a local folder and not in the local Hugging Face cache "
             f"(download it first: `hf download {path}`)"
