@@ -10,16 +10,19 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
 from conftest import graft_yaml, read_model, run_cli, spd, write_diagonal_cache, write_mixed_cache
+from safetensors.torch import load_file, save_file
 from test_selection import brute_force_mask, continuous_scores, tied_scores
 
 import graftmerge.formats.fisher_cache as fisher_cache
 import graftmerge.pipeline.graft as graft
 import graftmerge.pipeline.threshold_pass as threshold_pass
 from graftmerge.errors import GraftError
+from graftmerge.formats.checkpoint import read_safetensors_layout
 from graftmerge.formats.fisher_cache import FisherCacheWriter, KfacFactors, open_fisher_cache
 from graftmerge.math.global_threshold import ThresholdSearch, positions_at_or_above
 from graftmerge.math.projection import (
@@ -192,8 +195,6 @@ def test_the_record_vouches_for_those_bytes_only(tmp_path, monkeypatch, tied_mod
     hostile = tmp_path / "hostile"
     with FisherCacheWriter(hostile, model=post) as writer:
         writer.add_kfac_eigen(name, U=basis, S=torch.ones(shape[0]), V=None, D=torch.ones(shape[1]))
-    from safetensors.torch import load_file, save_file
-
     shard = next(hostile.glob("*.safetensors"))
     tensors = load_file(shard)
     key = next(k for k in tensors if k.endswith("eigenvectors"))
@@ -206,6 +207,70 @@ def test_the_record_vouches_for_those_bytes_only(tmp_path, monkeypatch, tied_mod
         open_fisher_cache(hostile).kfac(name)
     square = basis.float()
     assert fisher_cache.orthonormal_digest(square) != fisher_cache.orthonormal_digest(square.T.contiguous())
+
+
+def eigenvector_shard(cache) -> tuple[str, str, object]:
+    """(a KFAC weight, the key of one of its sides' eigenvectors, the shard file holding them)."""
+    opened = open_fisher_cache(cache)
+    for name in opened.names("kfac"):
+        for side in ("rows", "columns"):
+            record = opened.kfac_side(name, side)
+            if "eigenvectors" in record:
+                return name, record["eigenvectors"], cache / opened.manifest["files"][record["eigenvectors"]]
+    raise AssertionError("no eigenvectors in the cache")
+
+
+def test_a_settled_shard_is_found_in_the_record_without_hashing(tmp_path, monkeypatch, tied_models):
+    monkeypatch.setenv("GRAFTMERGE_CACHE_DIR", str(tmp_path / "user-cache"))
+    cache = kfac_cache(tmp_path / "fisher", tied_models["post"])
+    names = open_fisher_cache(cache).names("kfac")
+    hashed, checked = (count_calls(monkeypatch, fisher_cache, name) for name in ("orthonormal_digest", "check_orthonormal"))
+    for name in names:  # just written: named by content only
+        open_fisher_cache(cache).kfac(name)
+    assert hashed
+    monkeypatch.setattr(fisher_cache, "SETTLED_SECONDS", 0.0)  # as if written long ago
+    for name in names:  # hashed once more, now recorded by file identity too
+        open_fisher_cache(cache).kfac(name)
+    hashed.clear()
+    checked.clear()
+    for name in names:
+        open_fisher_cache(cache).kfac(name)
+    assert not hashed and not checked
+
+
+def test_an_edit_in_place_with_its_mtime_put_back_is_checked_again(tmp_path, monkeypatch, tied_models):
+    monkeypatch.setenv("GRAFTMERGE_CACHE_DIR", str(tmp_path / "user-cache"))
+    monkeypatch.setattr(fisher_cache, "SETTLED_SECONDS", 0.0)
+    cache = kfac_cache(tmp_path / "fisher", tied_models["post"])
+    name, key, shard = eigenvector_shard(cache)
+    open_fisher_cache(cache).kfac(name)  # passed: recorded by content and by file identity
+    layout = read_safetensors_layout(shard)
+    begin, end = layout.offsets[key]
+    before = os.stat(shard)
+    with open(shard, "r+b") as handle:  # same size, same shape: the first column scaled, no longer orthonormal
+        handle.seek(layout.data_start + begin)
+        vectors = torch.frombuffer(bytearray(handle.read(end - begin)), dtype=torch.float32).reshape(layout.tensors[key].shape)
+        vectors[:, 0] *= 1.5
+        handle.seek(layout.data_start + begin)
+        handle.write(vectors.numpy().tobytes())
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(shard)
+    assert after.st_mtime_ns == before.st_mtime_ns and after.st_size == before.st_size
+    assert after.st_ctime_ns != before.st_ctime_ns  # the kernel's change time cannot be put back
+    with pytest.raises(GraftError, match="not orthonormal"):
+        open_fisher_cache(cache).kfac(name)
+
+
+def test_identity_needs_an_unchanged_file_and_a_settled_change_time(tmp_path, monkeypatch):
+    file = tmp_path / "shard"
+    file.write_bytes(b"x")
+    fresh = os.stat(file)
+    assert fisher_cache.unchanged_file_identity(fresh, fresh, "k") is None  # changed just now
+    monkeypatch.setattr(fisher_cache, "SETTLED_SECONDS", 0.0)
+    named = fisher_cache.unchanged_file_identity(fresh, fresh, "k")
+    assert named is not None and named != fisher_cache.unchanged_file_identity(fresh, fresh, "another key")
+    file.write_bytes(b"y")
+    assert fisher_cache.unchanged_file_identity(fresh, os.stat(file), "k") is None  # changed during the read
 
 
 # -- the threshold pass's own fast paths ------------------------------------------------------
