@@ -268,9 +268,11 @@ def rotation_flops(inputs: GraftInputs) -> int:
             continue
         m, n = inputs.post.tensors[name].shape
         rows, columns = (inputs.fisher.kfac_side(name, side) for side in ("rows", "columns"))
-        r_rows = side_rank(rows) if "eigenvectors" in rows else m
-        total += 2 * r_rows * m * n if "eigenvectors" in rows else 0
-        total += 2 * r_rows * n * side_rank(columns) if "eigenvectors" in columns else 0
+        rows_rank = side_rank(rows) if "eigenvectors" in rows else None  # None: identity basis, nothing to multiply
+        if rows_rank is not None:
+            total += 2 * rows_rank * m * n
+        if "eigenvectors" in columns:
+            total += 2 * (rows_rank or m) * n * side_rank(columns)
     return total
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,7 +210,7 @@ def test_the_record_vouches_for_those_bytes_only(tmp_path, monkeypatch, tied_mod
     assert fisher_cache.orthonormal_digest(square) != fisher_cache.orthonormal_digest(square.T.contiguous())
 
 
-def eigenvector_shard(cache) -> tuple[str, str, object]:
+def eigenvector_shard(cache: Path) -> tuple[str, str, Path]:
     """(a KFAC weight, the key of one of its sides' eigenvectors, the shard file holding them)."""
     opened = open_fisher_cache(cache)
     for name in opened.names("kfac"):

@@ -501,13 +501,12 @@ class FisherCache:
         record = self._factors[key]
         values = self._read(record["eigenvalues"])
         _check_values(values, self._where(record["eigenvalues"], f"eigenvalues of {name!r}"))
-        vectors, identity = None, None
+        vectors = None
         if "eigenvectors" in record:
             shard = self.path / self._files[record["eigenvectors"]]
             before = os.stat(shard)
             vectors = self._read(record["eigenvectors"])
             identity = unchanged_file_identity(before, os.stat(shard), record["eigenvectors"])
-        if vectors is not None:
             if tuple(vectors.shape) != (record["size"], side_rank(record)) or values.shape != (record["size"],):
                 raise GraftError(
                     f"Fisher cache {self.path}: factor {key} ({name!r}) has eigenvectors {tuple(vectors.shape)} and "
