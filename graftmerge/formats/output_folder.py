@@ -137,12 +137,10 @@ def check_not_inputs(out: str | os.PathLike, inputs: Inputs) -> None:
         if path is None:
             continue
         folder = input_root(path)
-        folder_id = _identity(folder)
-        if folder_id is None:
-            continue  # a missing input is reported by whoever reads it
-        if folder == real or folder_id == out_id:
+        folder_id = _identity(folder)  # None for an input not there yet (compared by path alone)
+        if folder == real or (folder_id is not None and folder_id == out_id):
             how = "is"
-        elif folder in real.parents or folder_id in out_chain:
+        elif folder in real.parents or (folder_id is not None and folder_id in out_chain):
             how = "is inside"
         elif real in folder.parents or (out_id is not None and out_id in _chain(folder.parent)):
             how = "contains"
