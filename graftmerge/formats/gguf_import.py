@@ -196,9 +196,9 @@ def import_gguf(
     """
     if dtype not in DTYPES:
         raise GraftError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    header = read_gguf_header(file)
     out = Path(output)
-    check_not_inputs(out, [("GGUF file", header.path)])  # before anything else
+    check_not_inputs(out, [("GGUF file", file)])  # before anything else
+    header = read_gguf_header(file)
     if out.exists() and not overwrite:
         raise GraftError(f"{out} already exists; pass --overwrite to replace it")
     if out.exists() and not out.is_dir():
