@@ -82,6 +82,11 @@ def refused(result, *names: str) -> str:
     return lines[0]
 
 
+def refused_as_input(result, out: str, *names: str) -> str:
+    """``refused``, by the OUT-is-an-input check: the line names OUT, the input, and says why."""
+    return refused(result, f"output folder {out} ", "choose an output folder outside every input", *names)
+
+
 def merge_cli(tmp_path: Path, text: str, out: str, *, cwd: Path | None = None, command: str = "mergekit-yaml"):
     """``command`` (mergekit-yaml or graftmerge merge) on config ``text`` into ``out``."""
     path = tmp_path / "graft.yml"
@@ -102,7 +107,7 @@ def test_merge_into_an_input_is_refused_and_the_input_untouched(work, tmp_path, 
     before = snapshot(tmp_path / "in")
     text = config(work, delta=role == "delta", adapter=role == "adapter")
     result = merge_cli(tmp_path, text, str(work[role]), command=command)
-    refused(result, str(work[role]), ROLES[role])
+    refused_as_input(result, str(work[role]), ROLES[role])
     assert snapshot(tmp_path / "in") == before  # the input as it was, nothing new beside it
 
 
@@ -128,7 +133,7 @@ def spellings(work: dict[str, Path], tmp_path: Path) -> dict[str, tuple[str, Pat
 def test_merge_into_an_input_under_any_spelling_is_refused(work, tmp_path, spelling):
     out, cwd, how = spellings(work, tmp_path)[spelling]
     before = snapshot(tmp_path / "in")
-    refused(merge_cli(tmp_path, config(work), out, cwd=cwd), how, out)
+    refused_as_input(merge_cli(tmp_path, config(work), out, cwd=cwd), out, how)
     assert snapshot(tmp_path / "in") == before
     assert not (work["post"] / "sub").exists() and not (work["post"] / "a").exists()
 
@@ -143,7 +148,8 @@ def test_merge_into_a_bind_mounted_input_is_refused(work, tmp_path):
         pytest.skip("bind mounts are not allowed here")
     try:
         before = snapshot(tmp_path / "in")
-        refused(merge_cli(tmp_path, config(work), str(mount / "post" / "x")), "is inside", "post model")
+        refused_as_input(merge_cli(tmp_path, config(work), str(mount / "post" / "x")), str(mount / "post" / "x"),
+                         "is inside", "post model")
         assert snapshot(tmp_path / "in") == before
     finally:
         os.system(f"umount {mount}")
@@ -181,7 +187,8 @@ def test_sweep_into_an_input_is_refused(work, tmp_path, target):
     (tmp_path / "graft.yml").write_text(config(work))
     result = run_cli("graftmerge", "sweep", str(tmp_path / "graft.yml"), "--lambda", "0.5,1", "--rho", "0.3",
                      "-o", str(out))
-    refused(result, str(out))
+    refused_as_input(result, str(out), {"post": "is the post model", "fisher": "is the Fisher cache",
+                                        "parent": "contains"}[target])
     assert snapshot(tmp_path / "in") == before
 
 
@@ -192,7 +199,7 @@ def test_delta_extract_into_an_input_is_refused(work, tmp_path, target, lora):
     before = snapshot(tmp_path / "in")
     result = run_cli("graftmerge", "delta", "extract", str(work["donor"]), str(work["donor_ft"]), "-o", str(out),
                      *(["--rank", "2"] if lora else []))
-    refused(result, str(out), "donor")
+    refused_as_input(result, str(out), "is inside the donor" if target == "inside donor" else f"is the {target} ")
     assert snapshot(tmp_path / "in") == before
 
 
@@ -201,7 +208,7 @@ def test_fisher_compress_into_its_source_is_refused(work, tmp_path, target):
     out = {"cache": work["fisher"], "inside": work["fisher"] / "x", "parent": tmp_path / "in"}[target]
     before = snapshot(tmp_path / "in")
     result = run_cli("graftmerge", "fisher", "compress", str(work["fisher"]), "--rank", "1", "-o", str(out))
-    refused(result, str(out), "Fisher cache")
+    refused_as_input(result, str(out), "Fisher cache")
     assert snapshot(tmp_path / "in") == before
 
 
@@ -214,7 +221,7 @@ def test_fisher_estimate_into_its_model_or_data_is_refused(work, tmp_path, targe
     before = snapshot(tmp_path / "in")
     result = run_cli("graftmerge", "fisher", "estimate", str(work["post"]), "-o", str(out), "--overwrite",
                      "--rollouts", str(data / "rollouts.jsonl"), "--no-progress")
-    refused(result, str(out), "model" if target == "model" else "rollouts file")
+    refused_as_input(result, str(out), "is the model" if target == "model" else "contains the rollouts file")
     assert snapshot(tmp_path / "in") == before
 
 
@@ -227,7 +234,7 @@ def test_import_gguf_into_its_own_file_or_folder_is_refused(tmp_path, target):
     out = folder if target == "folder holding it" else gguf
     before = snapshot(folder)
     result = run_cli("graftmerge", "import-gguf", str(gguf), "-o", str(out), "--overwrite")
-    refused(result, str(out), "GGUF file")
+    refused_as_input(result, str(out), "GGUF file")
     assert snapshot(folder) == before
 
 
@@ -245,7 +252,7 @@ def test_pull_into_the_cache_folder_it_reads_is_refused(tmp_path, monkeypatch, t
            "the hub cache": cache}[target]
     before = snapshot(cache)
     result = run_cli("graftmerge", "fisher", "pull", "org/fisher", "-o", str(out), "--overwrite")
-    refused(result, str(out), "models--org--fisher")
+    refused_as_input(result, str(out), "models--org--fisher")
     with pytest.raises(GraftError, match="Hugging Face cache folder of org/fisher"):
         artifacts.pull_artifact(FISHER, "org/fisher", output=out, overwrite=True, cache_dir=cache)
     assert snapshot(cache) == before
