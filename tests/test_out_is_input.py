@@ -258,6 +258,36 @@ def test_pull_into_the_cache_folder_it_reads_is_refused(tmp_path, monkeypatch, t
     assert snapshot(cache) == before
 
 
+def test_python_api_of_every_writer_refuses_an_input_as_out(work, tmp_path):
+    """The functions behind the commands refuse the same way, before they write anything."""
+    from graftmerge.estimate.run import EstimateSettings, estimate_fisher
+    from graftmerge.formats.fisher_cache import FisherCacheWriter
+    from graftmerge.formats.gguf_import import import_gguf
+    from graftmerge.pipeline.fisher_compress import compress_cache
+
+    gguf = tmp_path / "in" / "gguf" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    rollouts = tmp_path / "in" / "rollouts.jsonl"
+    rollouts.write_text("")
+    before = snapshot(tmp_path / "in")
+    calls = {
+        "extract_delta": lambda: extract_delta(work["donor"], work["donor_ft"], work["donor_ft"], progress=False),
+        "extract_lora": lambda: extract_lora(work["donor"], work["donor_ft"], work["donor"] / "x", rank=2,
+                                             progress=False),
+        "compress_cache": lambda: compress_cache(work["fisher"], work["fisher"], 1, progress=False),
+        "FisherCacheWriter": lambda: FisherCacheWriter(work["post"] / "fisher", model=work["post"]),
+        "import_gguf": lambda: import_gguf(gguf, gguf.parent, overwrite=True),
+        "estimate_fisher": lambda: estimate_fisher(EstimateSettings(model=work["post"], output=tmp_path / "in",
+                                                                    rollouts=rollouts, overwrite=True,
+                                                                    progress=False)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(GraftError, match="choose an output folder outside every input"):
+            call()
+        assert snapshot(tmp_path / "in") == before, name
+
+
 def test_a_hub_snapshot_input_stands_for_its_whole_repo_folder(tmp_path):
     """A model resolved to a snapshot: OUT in the repo's blobs/ (where its files point) is refused too."""
     repo = tmp_path / "models--org--post"

@@ -4,21 +4,32 @@ Every command that writes a folder builds it with :class:`OutputFolder` (merges 
 configs, ``sweep``, ``fisher estimate``/``compress``, ``delta extract``, ``import-gguf``,
 ``pull -o``):
 
+0. **No input.** OUT may not be, lie inside, or contain any input the command reads
+   (``inputs``: model, donor, delta, adapter and Fisher folders, a GGUF or rollouts file,
+   the Hugging Face cache folder of a pulled repo), compared by real path and by
+   (device, inode) of every ancestor (:func:`check_not_inputs`), before anything is made.
+   A parent folder anyone may write, without the sticky bit, is refused.
 1. **Lock.** An exclusive ``flock`` on ``.NAME.lock`` beside OUT, taken before any work
    and held until OUT is published. A second process asking for the same OUT fails at
    once: ``another graftmerge process (pid N) is writing OUT``. The lock file is removed
-   on release; one left by a killed process is simply locked again.
+   on release; one left by a killed process is simply locked again. It is opened without
+   following a link or blocking, must be a regular file of one link owned by this user,
+   and is never truncated (the pid is written over its first bytes).
 2. **Tidy.** What killed runs on the same OUT left beside it, named after their process
    (``.NAME.partial-PID-*`` staging folders, ``.NAME.old-PID-*`` old copies), is removed,
-   but only once that process is gone. If OUT is missing and an old copy is there, the
-   killed run died between its two renames (step 5): the old copy becomes OUT again.
+   but only once that process is gone, and only if it is this user's. If OUT is missing
+   and an old copy is there, the killed run died between its two renames (step 5): the
+   old copy becomes OUT again, but only if its marker ``.NAME.old-PID-*.marker`` (written
+   before the rename: uid, pid, a digest of the folder's identity and listing) verifies.
+   Anything else is left alone, with one warning line.
 3. **Check.** What is at OUT may be replaced (the command's policy: :data:`NEW`,
    :data:`EMPTY`, :data:`OVERWRITE` or :data:`MERGE`). A symbolic link at OUT is refused,
    never followed.
 4. **Stage.** The caller writes ``.NAME.partial-PID-XXXXXXXX/NAME/`` (:attr:`staging`:
    same basename as OUT, which mergekit names the model card after), on OUT's file system.
-5. **Publish.** OUT is renamed to ``.NAME.old-PID-XXXXXXXX``, the staging folder to OUT,
-   and the old copy deleted. If the second rename fails, the old copy is renamed back.
+5. **Publish.** OUT's marker is written, OUT renamed to ``.NAME.old-PID-XXXXXXXX``, the
+   staging folder to OUT, and the old copy and its marker deleted. If the second rename
+   fails, the old copy is renamed back.
 
 So a kill at any moment leaves OUT as the complete old folder or the complete new one.
 The one exception is the instant between the two renames of step 5: then OUT is missing
