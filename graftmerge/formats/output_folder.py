@@ -447,11 +447,13 @@ def _swap(out: Path, staging: Path, old_name: str) -> None:
     """OUT → its old copy, staging → OUT, old copy deleted; the old copy put back if the second rename fails."""
     old = out.parent / old_name if os.path.lexists(out) else None
     if old is not None:
+        marker = None
         try:
-            write_old_marker(out, old)  # so a run killed between the renames can tell it is ours
+            marker = write_old_marker(out, old)  # so a run killed between the renames can tell it is ours
             os.rename(out, old)
         except OSError as error:
-            _unlink(marker_path(old))
+            if marker is not None:
+                _unlink(marker)
             raise GraftError(f"cannot replace {out}: moving it aside failed ({error.strerror}); "
                              "it is unchanged") from error
         stage_reached("publish-aside")

@@ -259,11 +259,12 @@ def check_sweepable(config, points: list[GridPoint], plan: GraftPlan) -> dict[Gr
 def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out_dir: str, options) -> list[Path]:
     """Write one model folder per grid point under ``out_dir`` (all or nothing: see ``output_folder``)."""
     plans = check_sweepable(config, points, plan)
-    check_not_inputs(out_dir, plan_inputs(plan))  # before anything else: OUT may be none of the inputs
+    read = plan_inputs(plan)
+    check_not_inputs(out_dir, read)  # before anything else: OUT may be none of the inputs
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GraftError(f"output {out_dir} already exists and is not an empty folder; choose a new one")
-    with OutputFolder(out_dir, replace=EMPTY, inputs=plan_inputs(plan)) as output, contextlib.ExitStack() as loras:  # locked before any read
+    with OutputFolder(out_dir, replace=EMPTY, inputs=read) as output, contextlib.ExitStack() as loras:  # locked before any read
         masked = [p for p in plans.values() if p.masked]
         inputs = GraftInputs.open(masked[0] if masked else plans[points[0]])
         config = loras.enter_context(lora_inputs_in_mergekit(config, inputs))  # LoRA inputs read unmerged
