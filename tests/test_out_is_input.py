@@ -411,6 +411,17 @@ def test_a_hard_linked_lock_is_refused_and_its_target_untouched(work, tmp_path):
     assert victim.read_text() == "precious bytes" and not out.exists()
 
 
+def test_another_users_lock_file_is_refused_and_untouched(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    out = tmp_path / "out"
+    lock_path(out).write_text("theirs")
+    os.chown(lock_path(out), 12345, 12345)
+    with pytest.raises(GraftError, match="not a lock file of yours"):
+        OutputFolder(out).open()
+    assert lock_path(out).read_text() == "theirs" and not out.exists()
+
+
 def test_a_symlinked_lock_is_refused_and_its_target_untouched(tmp_path):
     out = tmp_path / "out"
     victim = tmp_path / "victim.txt"
