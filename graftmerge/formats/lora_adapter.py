@@ -46,6 +46,12 @@ import torch
 from safetensors import safe_open
 
 from graftmerge.errors import GraftError
+from graftmerge.formats.bounded_regex import (
+    check_pattern,
+    pattern_fullmatch,
+    pattern_match,
+    pattern_matches_start,
+)
 from graftmerge.formats.checkpoint import (
     SAFETENSORS_NAMES,
     SafetensorsLayout,
@@ -272,6 +278,7 @@ def check_adapter_config(config: dict[str, Any], where: str) -> None:
                          "(save_pretrained(path_initial_model_for_weight_conversion=...)) or merge it first")
     _check_numbers(config, where)
     _check_layers(config, where)
+    _check_patterns(config, where)
 
 
 def _check_numbers(config: dict[str, Any], where: str) -> None:
@@ -302,21 +309,50 @@ def _check_numbers(config: dict[str, Any], where: str) -> None:
         raise GraftError(f"{where}: modules_to_save must be a list of names")
 
 
-def pattern_key(patterns: Mapping[str, Any], module: str, where: str) -> str | None:
-    """PEFT's ``get_pattern_key``: the first key that matches the end of ``module`` at a dot, else None."""
+def _check_patterns(config: Mapping[str, Any], where: str) -> None:
+    """Every regular expression of the config compiles for linear-time matching (before any name is matched).
+
+    One line naming the field and the pattern for one Python refuses, and for one that
+    could run unboundedly (backreferences, lookaround...): see :mod:`graftmerge.formats.bounded_regex`.
+    """
+    for field in ("rank_pattern", "alpha_pattern"):
+        for key in config.get(field) or {}:
+            check_pattern(_key_pattern(key), where, f"{field} key {key!r}")
+    for field in ("target_modules", "exclude_modules"):
+        names = config.get(field)
+        if isinstance(names, str) and not (field == "target_modules" and names == "all-linear"):
+            check_pattern(names, where, f"{field} {names!r}")
+    layers = config.get("layers_pattern") or []
+    for pattern in [layers] if isinstance(layers, str) else layers:
+        check_pattern(_layer_pattern(pattern), where, f"layers_pattern {pattern!r}", captures=True)
+
+
+def _key_pattern(key: str) -> str:
+    """PEFT's regex for a rank_pattern / alpha_pattern key: the key ends the name at a dot."""
+    return rf"(.*\.)?({key})$"
+
+
+def _layer_pattern(pattern: str) -> str:
+    """PEFT's regex for a layers_pattern entry: the first ``<pattern>.<index>.`` that starts a name part."""
+    return rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\."
+
+
+def pattern_key(patterns: Mapping[str, Any], module: str, where: str, field: str = "rank_pattern") -> str | None:
+    """PEFT's ``get_pattern_key``: the first key that matches the end of ``module`` at a dot, else None.
+
+    Matched in time linear in the name (:mod:`graftmerge.formats.bounded_regex`).
+    """
     for key in patterns:
-        try:
-            if re.match(rf"(.*\.)?({key})$", module):
-                return key
-        except re.error as error:
-            raise GraftError(f"{where}: pattern {key!r} is not a valid regular expression ({error})") from None
+        if pattern_matches_start(_key_pattern(key), module, where, f"{field} key {key!r}"):
+            return key
     return None
 
 
 def module_rank_alpha(config: Mapping[str, Any], module: str, where: str) -> tuple[int, float]:
     """(r, lora_alpha) of ``module``: the config's, or those of its rank_pattern / alpha_pattern key."""
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    rank_key, alpha_key = pattern_key(ranks, module, where), pattern_key(alphas, module, where)
+    rank_key = pattern_key(ranks, module, where, "rank_pattern")
+    alpha_key = pattern_key(alphas, module, where, "alpha_pattern")
     return (ranks[rank_key] if rank_key is not None else config["r"],
             alphas[alpha_key] if alpha_key is not None else config["lora_alpha"])
 
@@ -332,10 +368,7 @@ def _names_match(names: str | list[str] | None, module: str, where: str, field: 
     if names is None:
         return False
     if isinstance(names, str):
-        try:
-            return re.fullmatch(names, module) is not None
-        except re.error as error:
-            raise GraftError(f"{where}: {field} {names!r} is not a valid regular expression ({error})") from None
+        return pattern_fullmatch(names, module, where, f"{field} {names!r}")
     return module in names or any(module.endswith(f".{name}") for name in names)
 
 
@@ -372,12 +405,9 @@ def layer_index(config: Mapping[str, Any], module: str, where: str) -> int | Non
         found = re.match(r".*?\.[^.]*\.(?P<index>\d+)\.", module)
         return int(found["index"]) if found else None
     for pattern in [patterns] if isinstance(patterns, str) else patterns:
-        try:
-            found = re.match(rf"(?:^|.*?\.){pattern}\.(?P<index>\d+)\.", module)
-        except re.error as error:
-            raise GraftError(f"{where}: layers_pattern {pattern!r} is not a valid regular expression ({error})") from None
-        if found:
-            return int(found["index"])
+        found = pattern_match(_layer_pattern(pattern), module, where, f"layers_pattern {pattern!r}")
+        if found is not None:  # PEFT stops at the first pattern that matches, even one that captures no index
+            return None if found.get("idx") is None else int(found["idx"])
     return None
 
 
