@@ -46,7 +46,7 @@ BOUND_S = 10.0  # what a run with hostile patterns may take at most (a backtrack
 HOSTILE = {
     "rank_pattern": ("lists", {"rank_pattern": {r"(.*)*\.nothing": 8, r"([\w.]+)+\.v_proj": 2}}),
     "alpha_pattern": ("lists", {"alpha_pattern": {r"(.*)*\.nothing": 100, r"([\w.]+)+\.down_proj": 3}}),
-    "target_modules": ("lists", {"target_modules": r"([\w.]+)+\.(q_proj|v_proj|down_proj)"}),
+    "target_modules": ("lists", {"target_modules": r"(.*)*\.nothing|([\w.]+)+\.(q_proj|v_proj|down_proj)"}),
     "exclude_modules": ("lists", {"exclude_modules": r"([\w.]+)+\.nothing"}),
     "layers_pattern": ("layers", {"layers_pattern": [r"([\w.]+)+X", "layers"]}),
 }

@@ -91,7 +91,10 @@ def pattern_match(source: str, name: str, where: str, what: str) -> dict[str, st
     """``re.match(source, name)``: the named groups of a match at the start of ``name``, or None."""
     compiled = check_pattern(source, where, what, captures=True)
     found = compiled.regex.match(_checked_name(name, where, what))
-    return None if found is None else {key: found.group(group) for key, group in compiled.groups.items()}
+    if found is None:
+        return None
+    return {key: None if found.group(group) is None else found.group(group).decode() for key, group in
+            compiled.groups.items()}
 
 
 def pattern_fullmatch(source: str, name: str, where: str, what: str) -> bool:
@@ -104,13 +107,13 @@ def pattern_matches_start(source: str, name: str, where: str, what: str) -> bool
     return check_pattern(source, where, what).regex.match(_checked_name(name, where, what)) is not None
 
 
-def _checked_name(name: str, where: str, what: str) -> str:
-    """``name`` if it is a plain module name (the only names the translation is exact on)."""
+def _checked_name(name: str, where: str, what: str) -> bytes:
+    """``name`` as bytes (RE2's fast path) if it is a plain module name, the only names the translation is exact on."""
     if len(name) > MAX_NAME or not _PLAIN_NAME.fullmatch(name):
         shown = name[:80] + ("..." if len(name) > 80 else "")
         raise GraftError(f"{where}: module name {shown!r} is not printable ASCII of at most {MAX_NAME} "
                          f"characters without spaces; graftmerge matches {what} only on such names")
-    return name
+    return name.encode("ascii")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -167,6 +170,8 @@ def _character_class(op: Any, value: Any, flags: int) -> str:
         members = _members(op, tuple(value) if isinstance(value, list) else value, flags)
     if not members:
         return r"[^\x00-\x{10FFFF}]"
+    if len(members) == 1:
+        return f"\\x{{{ord(members[0]):x}}}"
     runs: list[list[int]] = []
     for code in map(ord, members):
         if runs and runs[-1][1] == code - 1:
