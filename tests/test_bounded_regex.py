@@ -348,3 +348,25 @@ def test_python_s_meaning_is_kept_where_re2_syntax_differs():
                     continue  # not a module name
                 got = bounded_regex.pattern_fullmatch(pattern, name, "adapter_config.json", "target_modules")
                 assert got == (re.fullmatch(pattern, name) is not None), (pattern, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_class_name_in_the_adapter_or_the_model_is_compared_in_bounded_time(tmp_path, models):
+    """The model family is a suffix search on auto_mapping's class name and the model's architectures:
+    quadratic in the name's length, so a name longer than any class name is compared whole."""
+    from graftmerge.formats.lora_adapter import check_architecture
+
+    adapter = with_config(models["lists"], tmp_path / "adapter",
+                          {"auto_mapping": {"base_model_class": "ForA" * 50_000 + "!", "parent_library": "x"}})
+    result, seconds = timed_merge("graftmerge", delta_yaml(models["post"], adapter), tmp_path)
+    assert result.returncode == 2 and seconds < BOUND_S, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "an adapter for another architecture" in lines[0] and len(lines[0]) < 1000
+    assert not (tmp_path / "out").exists()
+    qwen3 = open_lora_adapter(with_config(models["lists"], tmp_path / "qwen3", {"auto_mapping": {
+        "base_model_class": "Qwen3ForCausalLM", "parent_library": "transformers.models.qwen3.modeling_qwen3"}}))
+    start = time.monotonic()
+    with pytest.raises(GraftError, match="an adapter for another architecture"):  # the Python API
+        check_architecture(qwen3, {"architectures": ["ForA" * 50_000 + "!"]}, "post model")
+    check_architecture(qwen3, {"architectures": ["Qwen3Model"]}, "post model")
+    assert time.monotonic() - start < 1.0

@@ -69,6 +69,7 @@ FLOATING = ("F64", "F32", "F16", "BF16")
 FACTOR_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<side>[AB])\.weight")
 EMBEDDING_KEY = re.compile(r"(?P<module>.+)\.lora_embedding_(?P<side>[AB])")
 BASE_LAYER_KEY = re.compile(r"(?P<module>.+)\.base_layer\.(?P<parameter>[^.]+)")
+MAX_CLASS_NAME = 256  # auto_mapping / architectures names longer than this are no model class
 # model_type -> transformers' Conv1D layers (weights stored in × out, so Δ = (B·A)ᵀ)
 CONV1D_MODEL_TYPES = frozenset({"gpt2", "openai-gpt", "imagegpt", "decision_transformer"})
 CONV1D_MODULES = frozenset({"c_attn", "q_attn", "c_fc", "c_proj"})
@@ -537,12 +538,19 @@ def check_architecture(adapter: LoraAdapter, model_config: Mapping[str, Any], mo
         return
 
     def family(name: str) -> str:
-        """``Qwen3ForCausalLM`` / ``Qwen3Model`` -> ``Qwen3``; ``GPT2LMHeadModel`` -> ``GPT2``."""
+        """``Qwen3ForCausalLM`` / ``Qwen3Model`` -> ``Qwen3``; ``GPT2LMHeadModel`` -> ``GPT2``.
+
+        A name longer than any class name is compared whole: the suffix search is quadratic
+        in the name's length (80,000 characters of ``ForA`` take half a minute).
+        """
+        if len(name) > MAX_CLASS_NAME:
+            return name
         return re.sub(r"(For[A-Z]\w*|LMHeadModel|PreTrainedModel|Model)$", "", name)
 
     if family(recorded) not in {family(str(a)) for a in architectures}:
-        raise GraftError(f"{adapter.label} was trained on a {recorded}, but {model_label} is a "
-                         f"{', '.join(map(str, architectures))}: an adapter for another architecture")
+        shown = ", ".join(map(str, architectures))
+        raise GraftError(f"{adapter.label} was trained on a {recorded[:MAX_CLASS_NAME]}, but {model_label} is a "
+                         f"{shown[:MAX_CLASS_NAME]}: an adapter for another architecture")
 
 
 def bind_adapter(adapter: LoraAdapter, tensors: Mapping[str, TensorInfo], model_config: Mapping[str, Any],
