@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -191,9 +192,9 @@ def test_a_backreference_or_lookaround_is_refused_in_one_line(tmp_path, models, 
 
 @pytest.mark.parametrize("pattern,expected", [
     (r"(?:a{1000}){1000}", "RE2 cannot compile it"),
-    ("q_proj|" * 2000 + "v_proj", "longer than 10000 characters"),
-    (r"(?>q)_proj", "an atomic group"),
-    (r"q_proj*+", "a possessive quantifier"),
+    ("q_proj|" * 15_000 + "v_proj", "longer than 100000 characters"),
+    (r"(?>q)_proj", "an atomic group" if sys.version_info >= (3, 11) else "not a valid regular expression"),
+    (r"q_proj*+", "a possessive quantifier" if sys.version_info >= (3, 11) else "not a valid regular expression"),
     (r"(q)?(?(1)_proj|v_proj)", "a conditional group"),
     (r"(q_proj", "not a valid regular expression"),
 ])
@@ -201,7 +202,9 @@ def test_what_re2_cannot_bound_is_refused_with_the_config(pattern, expected):
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": pattern}
     with pytest.raises(GraftError, match=expected) as error:
         check_adapter_config(config, "acme/adapter_config.json")
-    assert str(error.value).startswith("acme/adapter_config.json: target_modules ") and "\n" not in str(error.value)
+    message = str(error.value)
+    assert message.startswith("acme/adapter_config.json: target_modules ") and "\n" not in message
+    assert len(message) < 600
 
 
 def test_a_name_outside_plain_ascii_is_refused_not_guessed():
@@ -287,7 +290,11 @@ def test_pull_as_a_process_ends_within_the_bound(tmp_path, models):
 ORDINARY = ["q_proj", r".*\.q_proj", r".*\.(q_proj|v_proj)", r"model\.layers\.1\.self_attn\..*", "(?i).*Q_PROJ",
             r".*layers\.\d+\.mlp\.(up|down)_proj", ".*attn.*", r"transformer\.h\.\d+\.attn\.c_attn", "^model.*proj$",
             r".*\bc_(attn|proj)", "lm_head", ".*", r"[^.]*\.layers\.[01]\..*_proj", r".*(?:k|v)_proj", r"\w+\.\w+",
-            r"model\.layers\.\d{1,2}\..*", "c_attn|c_proj", r".*\.h\.0\..*", r".*(_proj){1,2}", "model.layers.0"]
+            r"model\.layers\.\d{1,2}\..*", "c_attn|c_proj", r".*\.h\.0\..*", r".*(_proj){1,2}", "model.layers.0",
+            # as fine-tuning tools write them: one alternation per module kind, or every module spelled out
+            r"(?:.*?(?:language|text).*?(?:self_attn|attention|attn|mlp).*?(?:q_proj|k_proj|v_proj|down_proj).*?)|"
+            r"(?:\bmodel\.layers\.[\d]{1,}\.(?:self_attn|attention|attn|mlp)\.(?:(?:q_proj|k_proj|up_proj)))",
+            "|".join(rf"model\.layers\.{i}\.self_attn\.{m}" for i in range(40) for m in ("q_proj", "v_proj"))]
 KEYS = ["q_proj", "layers.1.self_attn.q_proj", r"layers\.\d+\.mlp\.up_proj", "proj", ".*proj", "(?i:V_PROJ)",
         r"h\.\d+\.attn\.c_attn", "model.layers.0", r"self_attn\.(q|k)_proj", "c_attn|c_proj", "mlp", r"\d\.mlp"]
 LAYER_PATTERNS = ["layers", "h", ["blocks", "layers"], "model.layers", r"layer\w*", "dec.*", r"(layers|h)", ".*"]

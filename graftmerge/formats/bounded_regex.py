@@ -43,8 +43,9 @@ sre_compile = importlib.import_module(_STDLIB("compiler" if sys.version_info >= 
 sre_constants = importlib.import_module(_STDLIB("constants"))
 sre_parse = importlib.import_module(_STDLIB("parser" if sys.version_info >= (3, 11) else "parse"))
 
-MAX_PATTERN = 10_000
+MAX_PATTERN = 100_000  # an explicit alternation of every module of a 400-layer model fits; ~1 s to compile
 MAX_NAME = 1_000
+SHOWN = 200  # characters of a pattern a message shows
 NAME_CHARACTERS = [chr(code) for code in range(0x21, 0x7F)]
 _PLAIN_NAME = re.compile(r"[!-~]+")
 _NOT_LINEAR = {
@@ -73,8 +74,10 @@ class BoundedRegex:
 def check_pattern(source: str, where: str, what: str, captures: bool = False) -> BoundedRegex:
     """``source`` (Python syntax) compiled for linear-time matching, or one GraftError line.
 
-    ``where`` names the config file, ``what`` the field and the pattern as the user wrote it.
+    ``where`` names the config file, ``what`` the field and the pattern as the user wrote it
+    (cut to :data:`SHOWN` characters in a message).
     """
+    what = what if len(what) <= SHOWN else what[:SHOWN] + "..."
     if not isinstance(source, str) or len(source) > MAX_PATTERN:
         raise GraftError(f"{where}: {what} is longer than {MAX_PATTERN} characters; graftmerge refuses it "
                          "(a pattern that long could take unbounded time to match)")
@@ -110,6 +113,7 @@ def pattern_matches_start(source: str, name: str, where: str, what: str) -> bool
 def _checked_name(name: str, where: str, what: str) -> bytes:
     """``name`` as bytes (RE2's fast path) if it is a plain module name, the only names the translation is exact on."""
     if len(name) > MAX_NAME or not _PLAIN_NAME.fullmatch(name):
+        what = what if len(what) <= SHOWN else what[:SHOWN] + "..."
         shown = name[:80] + ("..." if len(name) > 80 else "")
         raise GraftError(f"{where}: module name {shown!r} is not printable ASCII of at most {MAX_NAME} "
                          f"characters without spaces; graftmerge matches {what} only on such names")
