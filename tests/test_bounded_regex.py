@@ -377,3 +377,10 @@ def test_a_huge_class_name_in_the_adapter_or_the_model_is_compared_in_bounded_ti
         check_architecture(qwen3, {"architectures": ["ForA" * 50_000 + "!"]}, "post model")
     check_architecture(qwen3, {"architectures": ["Qwen3Model"]}, "post model")
     assert time.monotonic() - start < 1.0
+
+
+def test_a_pattern_nested_too_deeply_is_one_line():
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "exclude_modules": "(" * 5000 + ")" * 5000}
+    with pytest.raises(GraftError, match="nests groups too deeply") as error:
+        check_adapter_config(config, "adapter_config.json")
+    assert "\n" not in str(error.value) and len(str(error.value)) < 600

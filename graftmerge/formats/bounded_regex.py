@@ -46,7 +46,7 @@ sre_parse = importlib.import_module(_STDLIB("parser" if sys.version_info >= (3, 
 MAX_PATTERN = 100_000  # an explicit alternation of every module of a 400-layer model fits; ~1 s to compile
 MAX_NAME = 1_000
 SHOWN = 200  # characters of a pattern a message shows
-NAME_CHARACTERS = [chr(code) for code in range(0x21, 0x7F)]
+NAME_CHARACTERS = tuple(chr(code) for code in range(0x21, 0x7F))  # what a module name is made of
 _PLAIN_NAME = re.compile(r"[!-~]+")
 _NOT_LINEAR = {
     "GROUPREF": "a backreference", "GROUPREF_EXISTS": "a conditional group (?(...)...)",
@@ -83,8 +83,10 @@ def check_pattern(source: str, where: str, what: str, captures: bool = False) ->
                          "(a pattern that long could take unbounded time to match)")
     try:
         return _translated(source, captures)
-    except (re.error, OverflowError, RecursionError) as error:
+    except (re.error, OverflowError) as error:
         raise GraftError(f"{where}: {what} is not a valid regular expression ({error})") from None
+    except RecursionError:
+        raise GraftError(f"{where}: {what} nests groups too deeply to be parsed; graftmerge refuses it") from None
     except Unsupported as error:
         raise GraftError(f"{where}: {what} is not supported: {error}; graftmerge matches adapter patterns "
                          "in linear time (RE2) and refuses what could run unboundedly") from None
@@ -169,7 +171,7 @@ def _emit_node(op: Any, value: Any, flags: int, captures: bool) -> str:
 def _character_class(op: Any, value: Any, flags: int) -> str:
     """The exact set of name characters one character node matches under ``flags``, as an RE2 class."""
     if op == sre_constants.LITERAL and not flags & re.IGNORECASE:
-        members = [chr(value)] if chr(value) in NAME_CHARACTERS else []
+        members = (chr(value),) if 0x21 <= value <= 0x7E else ()
     else:
         members = _members(op, tuple(value) if isinstance(value, list) else value, flags)
     if not members:
@@ -186,10 +188,10 @@ def _character_class(op: Any, value: Any, flags: int) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _members(op: Any, value: Any, flags: int) -> list[str]:
+def _members(op: Any, value: Any, flags: int) -> tuple[str, ...]:
     """The name characters Python's ``re`` matches with the one node ``(op, value)``, asked of ``re`` itself."""
     state = sre_parse.State()
     state.flags = flags
     value = list(value) if isinstance(value, tuple) else value
     single = sre_compile.compile(sre_parse.SubPattern(state, [(op, value)]))
-    return [character for character in NAME_CHARACTERS if single.fullmatch(character)]
+    return tuple(character for character in NAME_CHARACTERS if single.fullmatch(character))
