@@ -172,7 +172,7 @@ def check_fisher_naming(entries: Mapping[str, Any], factors: Mapping[str, Any],
 
     The writer's naming rule (``FisherCacheWriter``): a diagonal of weight W is the tensor ``W``;
     a KFAC side is the factor ``kfac/W/rows`` or ``kfac/W/columns``, named after the first weight W
-    that used it (W's own entry names it on that side), and its tensors are ``<factor>/eigenvalues``
+    that used it (W's own entry, when the manifest has one, names it on that side), and its tensors are ``<factor>/eigenvalues``
     and ``<factor>/eigenvectors``. Other weights may name the same factor (a shared, bit-identical
     side, e.g. q/k/v's input side): that sharing is the format's, and what it vouches for cannot
     be checked from the manifest. Run after the records' fields are checked.
@@ -190,7 +190,8 @@ def check_fisher_naming(entries: Mapping[str, Any], factors: Mapping[str, Any],
         if weight not in model_shapes or side not in ("rows", "columns"):
             raise GraftError(f"{where}: factor {key!r} is not named kfac/<weight>/rows or kfac/<weight>/columns after "
                              "a weight of the model (the manifest was edited or is corrupt)")
-        if entries.get(weight, {}).get("kfac", {}).get(side) != key:
+        own = entries.get(weight, {}).get("kfac")  # None in a partial pull (`--layers`) that left W out
+        if own is not None and own.get(side) != key:
             raise GraftError(f"{where}: factor {key!r} is not the {side} side of weight {weight!r}'s own KFAC entry "
                              "(a factor is named after the first weight that uses it; the manifest was edited or is "
                              "corrupt)")
