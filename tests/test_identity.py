@@ -138,7 +138,9 @@ def test_a_donor_ft_whose_weight_files_are_the_donors_is_refused(tmp_path, tied_
     for file in m["donor"].iterdir():
         os.link(file, copy / file.name)
     config = models_yaml(m["post"], [(m["donor"], "donor"), (copy, "donor_ft")])
-    refused_everywhere(tmp_path, config, [m["post"], m["donor"]], f"model {copy} (donor_ft)", "same weight files")
+    refused_everywhere(tmp_path, config, [m["post"], m["donor"]], f"model {copy} (donor_ft)",
+                       f"hold the very same files (links to one copy: {os.path.realpath(copy)} and "
+                       f"{os.path.realpath(m['donor'])})")
 
 
 def test_a_donor_ft_sharing_some_weight_files_with_the_donor_is_a_fine_tune(tmp_path, tied_models):

@@ -316,14 +316,16 @@ def plan_folders(plan: GraftPlan) -> list[tuple[str, str, str]]:
 
 
 def _identities(folder: str) -> list[tuple]:
-    """What makes two folders one input: the folder itself (device, inode), and, when it has any,
-    the set of its ``*.safetensors`` files (device, inode, links followed: hard links, HF blobs)."""
+    """What makes two folders one input: the folder itself (device, inode), and, when it has any, the
+    set of its files (device, inode, links followed): a copy made of hard links, or two snapshots
+    linking the same HF blobs, is the same input; a copy with one file of its own (an adapter's
+    edited config) is not."""
     try:
         found = os.stat(folder)
-        weights = frozenset((s.st_dev, s.st_ino) for s in (os.stat(p) for p in Path(folder).glob("*.safetensors")))
+        files = frozenset((s.st_dev, s.st_ino) for s in (os.stat(p) for p in Path(folder).iterdir() if p.is_file()))
     except OSError as error:
         raise GraftError(f"input folder {folder}: cannot read ({error.strerror})") from error
-    return [("folder", found.st_dev, found.st_ino)] + ([("weights", weights)] if weights else [])
+    return [("folder", found.st_dev, found.st_ino)] + ([("files", files)] if files else [])
 
 
 def check_distinct_inputs(named: Sequence[tuple[str, str, str]]) -> None:
@@ -341,9 +343,11 @@ def check_distinct_inputs(named: Sequence[tuple[str, str, str]]) -> None:
             other_label, other_role, other_folder = seen[key]
             if {role, other_role} == {"base_model", "donor"}:
                 continue
-            what = "are the same folder" if key[0] == "folder" else "hold the same weight files (links to one copy) in"
+            real = os.path.realpath(folder)
+            what = (f"are the same folder {real}" if key[0] == "folder" else
+                    f"hold the very same files (links to one copy: {real} and {os.path.realpath(other_folder)})")
             raise GraftError(
-                f"model {label} ({role}) and model {other_label} ({other_role}) {what} {os.path.realpath(folder)}; "
+                f"model {label} ({role}) and model {other_label} ({other_role}) {what}; "
                 "each input is a different folder (only the base_model may appear again, as role donor: that "
                 "masks Δ = θft − θpost)"
             )
