@@ -177,6 +177,21 @@ def test_two_deltas_that_are_one_folder_are_refused(tmp_path, tied_models):
                        f"model {delta} (delta)", "same folder")
 
 
+@pytest.mark.parametrize("second", ["donor_ft", "delta"])
+def test_one_lora_adapter_given_twice_is_refused(tmp_path, tied_models, second):
+    """``BASE+ADAPTER`` is the adapter's input: the same adapter again (through a link), as another
+    ``BASE+ADAPTER`` or alone as a delta, would add its update twice."""
+    m = tied_models
+    adapter = tmp_path / "adapter"
+    made = run_cli("graftmerge", "delta", "extract", str(m["donor"]), str(m["donor_ft"]), "--rank", "4", "-o", str(adapter))
+    assert made.returncode == 0, made.stderr[-2000:]
+    (tmp_path / "adapter-link").symlink_to(adapter)
+    again = f"{m['donor']}+{tmp_path / 'adapter-link'}" if second == "donor_ft" else str(tmp_path / "adapter-link")
+    config = models_yaml(m["post"], [(m["donor"], "donor"), (f"{m['donor']}+{adapter}", "donor_ft"), (again, second)])
+    refused_everywhere(tmp_path, config, [m["post"], m["donor"], adapter], f"model {again} ({second})",
+                       f"model {m['donor']}+{adapter} (donor_ft)", f"same folder {os.path.realpath(adapter)}")
+
+
 @pytest.fixture(scope="module")
 def sft(tied_models, tmp_path_factory) -> Path:
     """θpost fine-tuned: the update the masked-update case grafts."""
