@@ -150,6 +150,7 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
     if len(set(names)) != len(names):
         raise GraftError("graft needs distinct tensor names for in-memory inputs")
     dtypes = {name: dtype for name, dtype in zip(names, input_dtypes)}
+    check_distinct_state_dicts(groups, [(first.base.id, "base"), *((key, roles[key]) for key in non_base)])
 
     def source(key, label: str, kind=InMemoryCheckpoint) -> InMemoryCheckpoint:
         """Input ``key``'s tensor of every group, as one in-memory checkpoint (or ``kind``)."""
@@ -180,6 +181,33 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
         deltas=[source(key, f"delta (input {key!r})", InMemoryDelta) for key in delta_ids],
     )
     return list(graft_in_memory(inputs, device=first.entries[0].tensor.device))
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are one object or one view of the same memory (not merely equal values)."""
+    return a is b or (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+                      and a.numel() > 0 and a.data_ptr() == b.data_ptr())
+
+
+def check_distinct_state_dicts(groups, inputs: list[tuple[Any, str]]) -> None:
+    """In memory, the inputs' identity is their tensors': two inputs whose every tensor is the same
+    object (or the same memory) are one input given twice, refused as a folder given twice is.
+
+    ``inputs``: (id, role) with the base first. The base again as the donor is the masked update
+    (Δ = θft − θpost) and allowed; a donor_ft sharing only some tensors with the donor (a copy of
+    its state dict with some weights replaced) is a real fine-tune and allowed too.
+    """
+    column = {key: index for index, key in enumerate(entry.id for entry in groups[0].entries)}
+    for position, (key, role) in enumerate(inputs):
+        for other, other_role in inputs[:position]:
+            if {role, other_role} == {"base", "donor"}:
+                continue
+            if all(_same_storage(g.entries[column[key]].tensor, g.entries[column[other]].tensor) for g in groups):
+                raise GraftError(
+                    f"graft input {key!r} ({role}) and input {other!r} ({other_role}) are the same tensors "
+                    "(one state dict given twice); each input is a different model (only the base may be given "
+                    "again, as role donor: that masks Δ = θft − θpost)"
+                )
 
 
 graft_merge_method = GraftMergeMethod()

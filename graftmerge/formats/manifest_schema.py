@@ -107,6 +107,7 @@ def check_fisher_manifest(manifest: dict[str, Any], where: str) -> dict[str, tup
     unfiled = sorted(set(expected) - set(files))
     if unfiled:
         raise GraftError(f"{where}: corrupt manifest (tensor {unfiled[0]!r} is named but `files` has no shard for it)")
+    check_fisher_naming(entries, factors, model_shapes, where)
     return expected
 
 
@@ -163,6 +164,51 @@ def _entry_shapes(name: str, entry: Any, model_shapes: Mapping[str, tuple[int, .
                 raise GraftError(f"{where}: KFAC {side} factor of {name!r} has size {factors[key]['size']}, weight "
                                  f"{shape} needs {shape[dim]}")
     return shapes
+
+
+def check_fisher_naming(entries: Mapping[str, Any], factors: Mapping[str, Any],
+                        model_shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """Each tensor is the one the format names for its weight, and no tensor serves two records.
+
+    The writer's naming rule (``FisherCacheWriter``): a diagonal of weight W is the tensor ``W``;
+    a KFAC side is the factor ``kfac/W/rows`` or ``kfac/W/columns``, named after the first weight W
+    that used it (W's own entry, when the manifest has one, names it on that side), and its tensors are ``<factor>/eigenvalues``
+    and ``<factor>/eigenvectors``. Other weights may name the same factor (a shared, bit-identical
+    side, e.g. q/k/v's input side): that sharing is the format's, and what it vouches for cannot
+    be checked from the manifest. Run after the records' fields are checked.
+    """
+    users: dict[str, str] = {}  # tensor key -> the record that names it
+    for name, entry in entries.items():
+        if "diagonal" in entry and entry["diagonal"]["key"] != name:
+            raise GraftError(f"{where}: the diagonal entry of weight {name!r} names tensor "
+                             f"{entry['diagonal']['key']!r}; a diagonal is stored under its weight's own name "
+                             "(the manifest was edited or is corrupt: re-estimate or re-download the cache)")
+        if "diagonal" in entry:
+            _claim(users, name, f"the diagonal of weight {name!r}", where)
+    for key, record in factors.items():
+        weight, _, side = key[len("kfac/"):].rpartition("/") if key.startswith("kfac/") else ("", "", "")
+        if weight not in model_shapes or side not in ("rows", "columns"):
+            raise GraftError(f"{where}: factor {key!r} is not named kfac/<weight>/rows or kfac/<weight>/columns after "
+                             "a weight of the model (the manifest was edited or is corrupt)")
+        own = entries.get(weight, {}).get("kfac")  # None in a partial pull (`--layers`) that left W out
+        if own is not None and own.get(side) != key:
+            raise GraftError(f"{where}: factor {key!r} is not the {side} side of weight {weight!r}'s own KFAC entry "
+                             "(a factor is named after the first weight that uses it; the manifest was edited or is "
+                             "corrupt)")
+        for field_name in ("eigenvalues", "eigenvectors"):
+            if field_name in record and record[field_name] != f"{key}/{field_name}":
+                raise GraftError(f"{where}: factor {key!r} of weight {weight!r} names tensor {record[field_name]!r} as "
+                                 f"its {field_name}; the format stores them as {key + '/' + field_name!r}")
+            if field_name in record:
+                _claim(users, record[field_name], f"the {field_name} of factor {key!r}", where)
+
+
+def _claim(users: dict[str, str], tensor: str, user: str, where: str) -> None:
+    """Record that ``user`` reads ``tensor``; a tensor read by two records is refused."""
+    if tensor in users:
+        raise GraftError(f"{where}: tensor {tensor!r} is named by {users[tensor]} and by {user}; each stored tensor "
+                         "belongs to one weight or factor (the manifest was edited or is corrupt)")
+    users[tensor] = user
 
 
 # -- delta folders ----------------------------------------------------------------------------
