@@ -31,6 +31,8 @@ from graftmerge import __version__
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import (
     Checkpoint,
+    FileIdentity,
+    file_identity,
     hf_cache_origin,
     read_safetensors_layout,
     shard_sample_digest,
@@ -405,6 +407,10 @@ class FisherCache:
             raise GraftError(
                 f"{self.path} is not a Fisher cache (no {MANIFEST_NAME}; an interrupted write leaves none)"
             )
+        try:
+            self._manifest_identity = file_identity(os.stat(manifest_file))  # before it is read: later edits are seen
+        except OSError as error:
+            raise GraftError(f"{manifest_file}: cannot read manifest ({error.strerror})") from error
         self.manifest = load_json_file(manifest_file, "manifest")
         if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT_NAME:
             raise GraftError(f"{manifest_file}: not a graftmerge Fisher manifest")
@@ -567,6 +573,12 @@ class FisherCache:
         for name in self.entries:
             if name not in actual and not partial:
                 raise GraftError(f"Fisher cache {self.path} has an entry for unknown tensor {name!r}")
+
+    def pinned(self) -> dict[Path, FileIdentity]:
+        """The manifest and every shard, with their identities when they were read (``file_identity``)."""
+        pinned = {self.path / file: layout.identity for file, layout in self._layouts.items()}
+        pinned[self.path / MANIFEST_NAME] = self._manifest_identity
+        return pinned
 
     def file_stamps(self) -> list[tuple[str, int, int]]:
         """(resolved path, size, mtime) of the manifest and every shard: changes when the cache does."""
