@@ -359,6 +359,9 @@ SETTLED_SECONDS = 2.0  # a shard changed more recently than this is not named by
 def unchanged_file_identity(before: os.stat_result, after: os.stat_result, key: str) -> str | None:
     """sha256 naming tensor ``key`` of a shard by the file's identity, when the file did not change during the read.
 
+    Anyone can compute it from ``stat()``: it is only the subject of a record, whose name
+    :class:`~graftmerge.formats.user_cache.PassedChecks` keys by the user's secret.
+
     Device, inode, size, mtime and ctime: the kernel sets ctime on every change to a file
     and user space cannot set it back, so while these agree the file holds the same bytes
     and the record of a basis that passed can be found without hashing them. None (hash

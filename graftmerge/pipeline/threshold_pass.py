@@ -4,7 +4,9 @@ Each merge call sees one tensor, but a global top-ρ mask depends on every
 tensor: this pass reads the deltas and the Fisher once before the merge
 (see ``global_threshold`` for the rare second look), and stores the result keyed by a
 fingerprint of the inputs, the cache and the parameters, so a second run with
-the same inputs skips it.
+the same inputs skips it. A stored threshold is trusted only as far as it is checked:
+its record's name is keyed by the user's secret (:mod:`graftmerge.formats.user_cache`),
+its k and D must be this plan's, and the merge counts what it masks (``check_masked_total``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from graftmerge.math.selection import SMALLEST_SCORE, masked_count
 from graftmerge.pipeline.graft_plan import GraftInputs
 from graftmerge.pipeline.lora_inputs import scored_delta
 
-_MEMORY: dict[str, GlobalThreshold] = {}
+_MEMORY: dict[str, tuple[GlobalThreshold, str | None]] = {}  # by key: the threshold, its record's name
 
 
 def forget_thresholds() -> None:
@@ -73,8 +75,10 @@ def threshold_key(inputs: GraftInputs, device: str) -> str:
 
     A shard's stamp is its path, size and mtime plus a sha256 of its safetensors header
     and of three 4 KiB windows of every tensor (``Checkpoint.content_stamps``); the
-    Fisher manifest is hashed whole. An in-place edit outside the sampled windows that
-    keeps size and mtime is not seen: ``--no-threshold-cache`` for files edited in place.
+    Fisher manifest is hashed whole. Every file Δ and F are read from adds its identity
+    as pinned when opened (device, inode, size, mtime, ctime: ``GraftInputs.pinned``), so
+    a file edited in place, even outside the sampled windows with its mtime put back,
+    or replaced by another, is a new key.
 
     Computed once per opened inputs and device (the merge kernel asks per tensor).
     """
@@ -116,15 +120,16 @@ def global_threshold(
                 inputs, device=device, progress=progress, rotations=rotations)
         return inputs.memo[("uncached threshold", device)]
     key = threshold_key(inputs, device)
-    name = inputs.memo["threshold record"] = record_name(THRESHOLDS, key)
     if key in _MEMORY:
-        return _MEMORY[key]
+        result, inputs.memo["threshold record"] = _MEMORY[key]
+        return result
+    name = inputs.memo["threshold record"] = record_name(THRESHOLDS, key)
     result = _cached_threshold(inputs, name) if name is not None else None
     if result is None:
         result = compute_global_threshold(inputs, device=device, progress=progress, rotations=rotations)
         if name is not None:
             write_record(THRESHOLDS, f"{name}.json", json.dumps(result.to_json()).encode())
-    _MEMORY[key] = result
+    _MEMORY[key] = (result, name)
     return result
 
 
