@@ -75,6 +75,7 @@ def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True, scr
     """
     if not inputs.plan.masked:
         return
+    inputs.memo.pop("masked counts", None)  # counted afresh by this merge (``_masked``)
     if inputs.plan.rho_scope == "global":
         rotations = RotationStore(scratch) if scratch is not None else None
         global_threshold(inputs, device=device, progress=progress, rotations=rotations)
