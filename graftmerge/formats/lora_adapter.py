@@ -32,6 +32,7 @@ the result as tensor sources keyed by the model's own parameter names.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -54,9 +55,11 @@ from graftmerge.formats.bounded_regex import (
 )
 from graftmerge.formats.checkpoint import (
     SAFETENSORS_NAMES,
+    FileIdentity,
     SafetensorsLayout,
     TensorInfo,
     TensorSource,
+    file_identity,
     read_safetensors_layout,
     shard_sample_digest,
 )
@@ -631,6 +634,15 @@ class _AdapterSource(TensorSource):
             return None
         tensor = self.adapter.read(weight.full_key).float()
         return tensor if rows is None else tensor[rows[0] : rows[1]]
+
+    def pinned(self) -> dict[Path, FileIdentity]:
+        """The model's files, the adapter's weights (as their header was read) and its config (as it is now)."""
+        pinned = dict(self.model.pinned())
+        if self.adapter.layout is not None and self.adapter.layout.identity is not None:
+            pinned[self.adapter.layout.file] = self.adapter.layout.identity
+            with contextlib.suppress(OSError):
+                pinned[self.adapter.path / CONFIG_NAME] = file_identity(os.stat(self.adapter.path / CONFIG_NAME))
+        return pinned
 
     def adapter_stamps(self) -> list[tuple[str, int, int, str]]:
         """The adapter's file stamps, plus one for how it was bound (which targets, transposed or not)."""

@@ -22,7 +22,12 @@ from mergekit.config import MergeConfiguration
 from pydantic import ValidationError
 
 from graftmerge.errors import GraftError
-from graftmerge.formats.checkpoint import Checkpoint, check_same_tensors
+from graftmerge.formats.checkpoint import (
+    Checkpoint,
+    FileIdentity,
+    check_same_tensors,
+    check_unchanged,
+)
 from graftmerge.formats.delta_folder import MANIFEST_NAME as DELTA_MANIFEST
 from graftmerge.formats.delta_folder import DeltaFolder, open_delta
 from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache, side_rank
@@ -153,7 +158,9 @@ class GraftInputs:
         donor = Checkpoint(plan.donor, label=f"donor {plan.donor}") if plan.donor is not None else None
         fine_tunes = [_open_fine_tune(ft) for ft in plan.fine_tunes]
         deltas = [_open_delta_input(d.path, post, donor, plan.post) for d in plan.deltas]
-        return cls.from_sources(plan, post, donor, fine_tunes, deltas=deltas)
+        inputs = cls.from_sources(plan, post, donor, fine_tunes, deltas=deltas)
+        inputs.pinned()  # every file's identity, now that all are open
+        return inputs
 
     @classmethod
     def from_sources(
@@ -176,6 +183,27 @@ class GraftInputs:
             if plan.mask == "kfac" and not fisher.names("kfac"):
                 raise GraftError(f"mask: kfac, but Fisher cache {plan.fisher} has no KFAC entries (kind {fisher.kind})")
         return cls(plan, post, donor, fine_tunes, fisher, deltas=[d.checkpoint for d in deltas])
+
+    def pinned(self, with_post: bool = True) -> dict[Path, FileIdentity]:
+        """Every input file (shards, shard indexes, adapter files, the Fisher cache's files) with the identity
+        it had when it was opened; ``with_post=False`` leaves out the post model's own files.
+
+        Taken once: later calls return the same identities, so ``check_unchanged`` compares
+        with what was validated and scored, not with what is there now.
+        """
+        if "pinned" not in self.memo:
+            post = self.post.pinned()
+            others: dict[Path, FileIdentity] = {}
+            for source in (self.donor, *self.fine_tunes, *self.deltas, self.fisher):
+                if source is not None:
+                    others.update(source.pinned())
+            self.memo["pinned"] = (post, others)
+        post, others = self.memo["pinned"]
+        return {**post, **others} if with_post else dict(others)
+
+    def check_unchanged(self) -> None:
+        """GraftError (one line, naming the file) when any input file changed since it was opened."""
+        check_unchanged(self.pinned())
 
     def fisher_kind(self, name: str) -> str | None:
         """'diagonal', 'kfac' or None (not ranked, Δ applied unmasked) for tensor ``name``."""

@@ -274,8 +274,10 @@ def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out
         freed = FreedMemory()
         views = _grid_views(inputs, plans, output.scratch / "kfac-rotations", device, freed,
                             progress=not options.quiet)
+        inputs.check_unchanged()  # the pass read what was validated
         _write_grid(config, source, views, output.staging, output.scratch / "spill", arch_info, options, device,
                     freed)
+        inputs.check_unchanged()  # and so did the merge: else nothing is published
     return [output.out / point.folder for point in points]
 
 
