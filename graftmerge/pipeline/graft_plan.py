@@ -26,6 +26,7 @@ from graftmerge.formats.checkpoint import Checkpoint, check_same_tensors
 from graftmerge.formats.delta_folder import MANIFEST_NAME as DELTA_MANIFEST
 from graftmerge.formats.delta_folder import DeltaFolder, open_delta
 from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache, side_rank
+from graftmerge.formats.json_file import TOO_LONG_INTEGER
 from graftmerge.formats.lora_adapter import is_lora_adapter, open_lora_delta, open_lora_fine_tune
 from graftmerge.hub.artifacts import resolve_artifact
 from graftmerge.hub.kinds import FISHER
@@ -353,6 +354,9 @@ def _number(value, label: str) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise GraftError(f"graft parameter {label} must be a number, got {value!r}") from None
+    except OverflowError:  # an integer beyond float's range (YAML reads integers of up to 4300 digits)
+        raise GraftError(f"graft parameter {label} must be a finite number, got an integer of "
+                         f"{len(str(abs(value)))} digits") from None
 
 
 def remote_code_fields(folder: str | os.PathLike) -> list[str]:
@@ -540,9 +544,15 @@ def read_merge_config(config_file: str):
         raise GraftError(f"{config_file}: cannot read ({error.strerror})") from error
     except yaml.YAMLError as error:
         raise GraftError(f"{config_file}: not valid YAML ({str(error).splitlines()[0]})") from error
+    except (RecursionError, MemoryError) as error:
+        raise GraftError(f"{config_file}: not a valid merge config (nested too deeply or too large to read)") from error
     except (ValidationError, RuntimeError) as error:
         first = str(error).strip().splitlines()
         raise GraftError(f"{config_file}: not a valid merge config ({' '.join(first[:3])})") from error
+    except UnicodeDecodeError as error:
+        raise GraftError(f"{config_file}: not a valid merge config (not UTF-8 text)") from error
+    except ValueError as error:  # yaml's int(): an integer past Python's int/str conversion limit
+        raise GraftError(f"{config_file}: not a valid merge config ({TOO_LONG_INTEGER})") from error
     return config, source
 
 
