@@ -214,7 +214,7 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
 
 
 def raise_for_cli(error: GraftError, verbose: bool):
-    """Inside a click command, a one-line ``Error:`` and exit 1; with ``-v``, the traceback."""
+    """Inside a click command, a one-line ``error:`` and exit 2; with ``-v``, the traceback."""
     if not verbose and click.get_current_context(silent=True) is not None:
         raise cli_error(error) from None
     raise error

@@ -7,10 +7,11 @@ questions: which dtype, which Fisher representation, which tensors are ranked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -534,12 +535,11 @@ def _with_implied_donor(donors: list[str], fine_tunes: list[FineTune], post) -> 
     return donors
 
 
-def read_merge_config(config_file: str):
-    """(mergekit ``MergeConfiguration``, YAML text) of a config file; GraftError when unreadable."""
+@contextlib.contextmanager
+def config_file_errors(config_file: str) -> Iterator[None]:
+    """Reading or parsing ``config_file`` inside the block: any failure becomes one GraftError line naming it."""
     try:
-        with open(config_file, encoding="utf-8") as handle:
-            source = handle.read()
-        config = MergeConfiguration.model_validate(yaml.safe_load(source))
+        yield
     except OSError as error:
         raise GraftError(f"{config_file}: cannot read ({error.strerror})") from error
     except yaml.YAMLError as error:
@@ -553,7 +553,23 @@ def read_merge_config(config_file: str):
         raise GraftError(f"{config_file}: not a valid merge config (not UTF-8 text)") from error
     except ValueError as error:  # yaml's int(): an integer past Python's int/str conversion limit
         raise GraftError(f"{config_file}: not a valid merge config ({TOO_LONG_INTEGER})") from error
+
+
+def read_merge_config(config_file: str):
+    """(mergekit ``MergeConfiguration``, YAML text) of a config file; GraftError when unreadable."""
+    with config_file_errors(config_file):
+        with open(config_file, encoding="utf-8") as handle:
+            source = handle.read()
+        config = MergeConfiguration.model_validate(yaml.safe_load(source))
     return config, source
+
+
+def check_yaml_documents(config_file: str) -> None:
+    """``config_file`` (a ``mergekit-multi`` file: several YAML documents) parses; GraftError naming it otherwise."""
+    with config_file_errors(config_file):
+        with open(config_file, encoding="utf-8") as handle:
+            for _ in yaml.safe_load_all(handle.read()):
+                pass
 
 
 def read_graft_config(config_file: str):
