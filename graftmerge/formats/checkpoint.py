@@ -20,7 +20,12 @@ import torch
 from safetensors import safe_open
 
 from graftmerge.errors import GraftError
-from graftmerge.formats.json_file import TOO_LONG_INTEGER, DuplicateKeyError, load_json_file, refuse_duplicate_keys
+from graftmerge.formats.json_file import (
+    TOO_LONG_INTEGER,
+    DuplicateKeyError,
+    load_json_file,
+    refuse_duplicate_keys,
+)
 
 SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8),

@@ -566,10 +566,9 @@ def read_merge_config(config_file: str):
 
 def check_yaml_documents(config_file: str) -> None:
     """``config_file`` (a ``mergekit-multi`` file: several YAML documents) parses; GraftError naming it otherwise."""
-    with config_file_errors(config_file):
-        with open(config_file, encoding="utf-8") as handle:
-            for _ in yaml.safe_load_all(handle.read()):
-                pass
+    with config_file_errors(config_file), open(config_file, encoding="utf-8") as handle:
+        for _ in yaml.safe_load_all(handle.read()):
+            pass
 
 
 def read_graft_config(config_file: str):
