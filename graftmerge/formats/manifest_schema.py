@@ -44,6 +44,14 @@ def field(record: Any, key: str, kind: type | tuple[type, ...], where: str, labe
     return value
 
 
+def _finite(value: int | float) -> bool:
+    """A finite float; an integer only within float's range (a 400-digit integer is no weight)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _shown(value: Any) -> str:
     """A short repr for messages (a stranger's value may be huge)."""
     text = repr(value)
@@ -193,7 +201,7 @@ def _entry_shapes(name: str, entry: Any, model_shapes: Mapping[str, tuple[int, .
 def check_delta_manifest(manifest: dict[str, Any], where: str) -> dict[str, tuple[int, ...]]:
     """Every field a reader uses, checked; the delta's tensors (the donor's names) with their shapes."""
     weight = field(manifest, "weight", (int, float), where, "weight")
-    if not math.isfinite(weight):
+    if not _finite(weight):
         raise GraftError(f"{where}: corrupt manifest (`weight` is {weight}, not a finite number)")
     dtype = field(manifest, "dtype", str, where, "dtype")
     if dtype not in DELTA_DTYPES:
