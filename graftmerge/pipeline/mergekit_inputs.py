@@ -17,11 +17,11 @@ are allowed).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import mergekit.merge
 from mergekit.architecture import arch_info_for_config
 from transformers import AutoConfig
 
@@ -119,12 +119,13 @@ def post_architecture(loaded: list[LoadedInput]) -> Iterator[None]:
     model's architecture is the one that fits; nothing changes when the inputs agree.
     """
     infos = [item.arch_info for item in loaded]
-    if any(info is None for info in infos) or all(info == infos[0] for info in infos):
+    merge_module = sys.modules.get("mergekit.merge")  # imported by whoever calls run_merge (not here: the hook)
+    if merge_module is None or any(info is None for info in infos) or all(info == infos[0] for info in infos):
         yield
         return
-    original = mergekit.merge.get_architecture_info
-    mergekit.merge.get_architecture_info = lambda config, options: infos[0]
+    original = merge_module.get_architecture_info
+    merge_module.get_architecture_info = lambda config, options: infos[0]
     try:
         yield
     finally:
-        mergekit.merge.get_architecture_info = original
+        merge_module.get_architecture_info = original
