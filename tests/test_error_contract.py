@@ -89,6 +89,10 @@ def hostile(tied_models, tied_diag_cache, tmp_path_factory) -> dict[str, Path]:
     inject_huge(paths["delta_huge"] / "delta_manifest.json")
     paths["lora_huge"] = copy_model(paths["lora"], root / "lora_huge")
     inject_huge(paths["lora_huge"] / "adapter_config.json")
+    paths["lora_wide"] = copy_model(paths["lora"], root / "lora_wide")
+    _replace_number(paths["lora_wide"] / "adapter_config.json", "lora_alpha", WIDE)
+    paths["delta_wide"] = copy_model(paths["delta"], root / "delta_wide")
+    _replace_number(paths["delta_wide"] / "delta_manifest.json", "weight", WIDE)
     paths["index_huge"] = copy_model(m["donor_ft"], root / "index_huge")
     inject_huge(paths["index_huge"] / "model.safetensors.index.json")
     paths["header_huge"] = copy_model(m["donor_ft"], root / "header_huge")
@@ -117,6 +121,14 @@ def hostile(tied_models, tied_diag_cache, tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
+def _replace_number(file: Path, key: str, digits: str) -> None:
+    """The top-level number ``key`` of a JSON file rewritten as ``digits`` (json cannot write such an integer)."""
+    value = json.loads(file.read_text())
+    assert isinstance(value[key], int | float)
+    value[key] = "@@number@@"
+    file.write_text(json.dumps(value).replace('"@@number@@"', digits))
+
+
 def _share_eigenvalues(manifest: dict) -> None:
     """One factor side's eigenvalues key names another side's tensor, of another size."""
     factors = manifest["factors"]
@@ -140,6 +152,9 @@ def _configs(m: dict[str, Path], h: dict[str, Path], diag: Path) -> dict[str, tu
                                     h["delta_huge"]),
         "adapter_config huge int": (delta_config(m["post"], h["lora_huge"]), "integer of more than 4300 digits",
                                     h["lora_huge"]),
+        "adapter lora_alpha past float": (delta_config(m["post"], h["lora_wide"]), "lora_alpha must be a number",
+                                          h["lora_wide"]),
+        "delta weight past float": (delta_config(m["post"], h["delta_wide"]), "not a finite number", h["delta_wide"]),
         "shard index huge int": (plain(ft=h["index_huge"]), "integer of more than 4300 digits", h["index_huge"]),
         "safetensors header huge int": (plain(ft=h["header_huge"]), "integer of more than 4300 digits",
                                         h["header_huge"]),
@@ -157,6 +172,7 @@ def _configs(m: dict[str, Path], h: dict[str, Path], diag: Path) -> dict[str, tu
 
 
 CASES = ["yaml parameter past float", "fisher manifest huge int", "delta manifest huge int", "adapter_config huge int",
+         "adapter lora_alpha past float", "delta weight past float",
          "shard index huge int", "safetensors header huge int", "config.json huge int",
          "diagonal names another weight", "factor sides share a tensor", "configless delta", "configless donor",
          "gpt2 donor_ft", "gpt2 delta"]
