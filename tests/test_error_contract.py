@@ -29,6 +29,7 @@ from conftest import (
     graft_yaml,
     read_model,
     run_cli,
+    run_process,
     tree_digest,
     write_mixed_cache,
 )
@@ -268,4 +269,19 @@ def test_usage_errors_are_one_error_line_too(tmp_path, tied_models, arguments, f
     (tmp_path / "a-file").write_text("not a folder")
     line = one_line(run_cli(*arguments, cwd=tmp_path), fragment)
     assert "--help" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_sweep_and_a_real_mergekit_yaml_process_check_inputs_too(tmp_path, tied_models, hostile):
+    """``graftmerge sweep`` checks what mergekit loads; the stock console script (hook from the .pth) says one line."""
+    m = tied_models
+    config = graft_yaml(m["post"], hostile["donor_configless"], [(m["donor_ft"], 1.0)])
+    (tmp_path / "graft.yml").write_text(config)
+    one_line(run_cli("graftmerge", "sweep", str(tmp_path / "graft.yml"), "--lambda", "0.5,1", "--rho", "0",
+                     "-o", str(tmp_path / "grid")), "has no config.json")
+    assert not (tmp_path / "grid").exists()
+    (tmp_path / "huge.yml").write_text(config.replace("lambda: 1.0", f"lambda: {HUGE}"))
+    one_line(run_process("mergekit-yaml", str(tmp_path / "huge.yml"), str(tmp_path / "out")),
+             "integer of more than 4300 digits")
+    one_line(run_process("mergekit-yaml", str(tmp_path / "graft.yml"), str(tmp_path / "out")), "has no config.json")
     assert not (tmp_path / "out").exists()
