@@ -45,17 +45,19 @@ class LoadedInput:
     arch_info: object | None  # mergekit's ModelArchitecture, None when mergekit has to infer it
 
 
-def mergekit_model_folders(config) -> list[tuple[str, str, str]]:
-    """(input as written, its folder, what it is) for each folder whose config.json mergekit reads; base_model first."""
-    base = config.base_model.model
-    folders = [(str(config.base_model), resolve_model_folder(base.path, base.revision), "base_model, the post model")]
+def mergekit_model_folders(config) -> list[tuple[str, str, str, str | None]]:
+    """(input as written, its folder, what it is, its ``override_architecture``) for each folder whose config.json
+    mergekit reads; base_model first."""
+    base = config.base_model
+    folders = [(str(base), resolve_model_folder(base.model.path, base.model.revision), "base_model, the post model",
+                base.override_architecture)]
     for entry in config.models:
         role = (entry.parameters or {}).get("role")
         folder = resolve_model_folder(entry.model.model.path, entry.model.model.revision)
         if role == "delta" and entry.model.lora is None and is_lora_adapter(folder):
             continue  # mergekit is handed POST+ADAPTER: it reads the post model's config
         what = f"role {role}" if entry.model.lora is None else f"role {role}; mergekit reads its base's config"
-        folders.append((str(entry.model), folder, what))
+        folders.append((str(entry.model), folder, what, entry.model.override_architecture))
     return folders
 
 
@@ -66,8 +68,10 @@ def _first_line(error: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def read_input_architecture(label: str, folder: str, what: str, trust_remote_code: bool = False) -> LoadedInput:
-    """The architecture mergekit will find for ``folder``; GraftError if mergekit could not load its config."""
+def read_input_architecture(label: str, folder: str, what: str, trust_remote_code: bool = False,
+                            override: str | None = None) -> LoadedInput:
+    """The architecture mergekit will find for ``folder`` (``override``: the reference's ``override_architecture``,
+    which mergekit puts in place of the config's); GraftError if mergekit could not load its config."""
     file = Path(folder) / CONFIG_NAME
     if not file.is_file():
         raise GraftError(
@@ -76,11 +80,13 @@ def read_input_architecture(label: str, folder: str, what: str, trust_remote_cod
         )
     config = load_json_file(file, CONFIG_NAME, duplicates_ok=True)  # size, nesting, integers past Python's limit
     architectures = config.get("architectures") if isinstance(config, dict) else None
+    architectures = [override] if override else architectures
     if not isinstance(architectures, list) or len(architectures) != 1 or not isinstance(architectures[0], str):
         raise GraftError(f"model {label} ({what}): {file} must name exactly one architecture in `architectures` "
                          f"(as transformers writes it, e.g. [\"LlamaForCausalLM\"]); mergekit cannot merge it otherwise")
     try:
         loaded = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        loaded.architectures = architectures
         arch_info = arch_info_for_config(loaded)
     except Exception as error:  # transformers' and mergekit's own errors: any of them stops mergekit's merge
         raise GraftError(f"model {label} ({what}): mergekit cannot load {file} ({_first_line(error)})") from error
@@ -93,8 +99,8 @@ def check_mergekit_inputs(config, allow_crimes: bool = False, trust_remote_code:
 
     Inputs whose architecture mergekit does not know are left to mergekit, which infers one from the tensors.
     """
-    loaded = [read_input_architecture(label, folder, what, trust_remote_code)
-              for label, folder, what in mergekit_model_folders(config)]
+    loaded = [read_input_architecture(label, folder, what, trust_remote_code, override)
+              for label, folder, what, override in mergekit_model_folders(config)]
     post = loaded[0]
     for other in loaded[1:]:
         known = post.arch_info is not None and other.arch_info is not None
