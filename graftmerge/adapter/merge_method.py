@@ -11,6 +11,7 @@ not yet defined and skips it), and the lines at the bottom register graft.
 
 from __future__ import annotations
 
+import functools
 import sys
 from types import ModuleType
 from typing import Any
@@ -28,11 +29,12 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
-from graftmerge.errors import GraftError
+from graftmerge.errors import GraftError, one_line_click_errors
 from graftmerge.formats.checkpoint import InMemoryCheckpoint
 from graftmerge.pipeline.graft import (
     graft_in_memory,
     graft_tensor,
+    raise_for_cli,
     run_graft_merge,
     validated_plan,
     was_validated,
@@ -41,7 +43,9 @@ from graftmerge.pipeline.graft_plan import (
     FineTune,
     GraftInputs,
     GraftPlan,
+    check_yaml_documents,
     positional_roles,
+    read_merge_config,
     resolve_model_folder,
 )
 from graftmerge.pipeline.lora_inputs import InMemoryDelta
@@ -239,8 +243,56 @@ def wrap_run_merge(merge_module) -> None:
     merge_module.run_merge = run_merge
 
 
+def wrap_config_script(script_module) -> None:
+    """``mergekit-yaml`` / ``mergekit-multi``: their config file is read by graftmerge's reader first.
+
+    mergekit parses the YAML itself, where a missing file, bad YAML or an integer past
+    Python's 4300-digit limit is a traceback; read first, any of them is one ``error:``
+    line and exit 2 (for every merge method: mergekit could not have run such a config).
+    A config that reads is then run by mergekit's own command, unchanged.
+    """
+    command = getattr(script_module, "main", None)
+    original = getattr(command, "callback", None)
+    if original is None or getattr(original, "_graftmerge_wrapped", False):
+        return
+    check = check_yaml_documents if script_module.__name__.endswith("multimerge") else read_merge_config
+
+    @functools.wraps(original)
+    def callback(*args, **kwargs):
+        """Read the config with graftmerge's checks, then run mergekit's command (docstring: the original's)."""
+        try:
+            check(kwargs["config_file"])
+        except GraftError as error:
+            raise_for_cli(error, verbose=getattr(kwargs.get("merge_options"), "verbosity", 0) > 0)
+        return original(*args, **kwargs)
+
+    callback._graftmerge_wrapped = True
+    command.callback = callback
+    _one_line_usage_errors(command)
+
+
+def _one_line_usage_errors(command) -> None:
+    """click's usage errors of mergekit's command (missing argument, unknown option) as ``error:`` lines too."""
+    make_context, invoke = command.make_context, command.invoke
+
+    def checked_make_context(*args, **kwargs):
+        """mergekit's command's context; a usage error is one ``error:`` line."""
+        with one_line_click_errors():
+            return make_context(*args, **kwargs)
+
+    def checked_invoke(context):
+        """mergekit's command run; click's own errors in it are one ``error:`` line."""
+        with one_line_click_errors():
+            return invoke(context)
+
+    command.make_context, command.invoke = checked_make_context, checked_invoke
+
+
 # Imported directly (not through the hook): register with whatever is loaded.
 if "mergekit.merge_methods.registry" in sys.modules:
     register_graft(sys.modules["mergekit.merge_methods.registry"])
 if "mergekit.merge" in sys.modules:
     wrap_run_merge(sys.modules["mergekit.merge"])
+for _script in ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge"):
+    if _script in sys.modules:
+        wrap_config_script(sys.modules[_script])

@@ -20,7 +20,12 @@ import torch
 from safetensors import safe_open
 
 from graftmerge.errors import GraftError
-from graftmerge.formats.json_file import DuplicateKeyError, load_json_file, refuse_duplicate_keys
+from graftmerge.formats.json_file import (
+    TOO_LONG_INTEGER,
+    DuplicateKeyError,
+    load_json_file,
+    refuse_duplicate_keys,
+)
 
 SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8),
@@ -173,6 +178,10 @@ def _header_json(raw: bytes, file: Path) -> dict[str, Any]:
         raise GraftError(f"{file}: corrupt safetensors header (not JSON)") from error
     except RecursionError as error:
         raise GraftError(f"{file}: corrupt safetensors header (nested too deeply)") from error
+    except ValueError as error:  # json's int(): an integer past Python's int/str conversion limit
+        raise GraftError(f"{file}: corrupt safetensors header ({TOO_LONG_INTEGER})") from error
+    except MemoryError as error:
+        raise GraftError(f"{file}: corrupt safetensors header (too large to parse in memory)") from error
     if not isinstance(header, dict):
         raise GraftError(f"{file}: corrupt safetensors header (not a JSON object)")
     return header

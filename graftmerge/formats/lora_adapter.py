@@ -291,7 +291,12 @@ def _check_numbers(config: dict[str, Any], where: str) -> None:
         """A JSON number (a positive integer when asked), not a bool."""
         if isinstance(value, bool) or not isinstance(value, int | float):
             return False
-        return (type(value) is int and value > 0) if positive_int else math.isfinite(value)
+        if positive_int:
+            return type(value) is int and value > 0
+        try:
+            return math.isfinite(value)
+        except OverflowError:  # an integer past float's range: PEFT's scaling could not hold it
+            return False
 
     if not number(config.get("r"), positive_int=True):
         raise GraftError(f"{where}: r must be a positive integer, got {config.get('r')!r}")

@@ -44,6 +44,14 @@ def field(record: Any, key: str, kind: type | tuple[type, ...], where: str, labe
     return value
 
 
+def _finite(value: int | float) -> bool:
+    """A finite float; an integer only within float's range (a 400-digit integer is no weight)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _shown(value: Any) -> str:
     """A short repr for messages (a stranger's value may be huge)."""
     text = repr(value)
@@ -100,15 +108,33 @@ def check_fisher_manifest(manifest: dict[str, Any], where: str) -> dict[str, tup
     if not is_count(clamped):
         raise GraftError(f"{where}: corrupt manifest (`clamped_eigenvalues` is {_shown(clamped)})")
     expected: dict[str, tuple[int, ...]] = {}
+    owners: dict[str, str] = {}
     for key, record in factors.items():
-        expected.update(_factor_shapes(key, record, where))
+        _name_once(expected, owners, _factor_shapes(key, record, where), f"factor {key!r}", where)
     for name, entry in entries.items():
-        expected.update(_entry_shapes(name, entry, model_shapes, factors, where))
+        _name_once(expected, owners, _entry_shapes(name, entry, model_shapes, factors, where), f"weight {name!r}", where)
     unfiled = sorted(set(expected) - set(files))
     if unfiled:
         raise GraftError(f"{where}: corrupt manifest (tensor {unfiled[0]!r} is named but `files` has no shard for it)")
     check_fisher_naming(entries, factors, model_shapes, where)
     return expected
+
+
+def _name_once(expected: dict[str, tuple[int, ...]], owners: dict[str, str], shapes: Mapping[str, tuple[int, ...]],
+               owner: str, where: str) -> None:
+    """Add ``owner``'s tensor keys to ``expected``; a key another record names already is refused.
+
+    Each stored tensor belongs to one record (a weight's diagonal, or one factor side):
+    two records naming one tensor would make one of them read data of another shape or
+    of another weight (shared KFAC sides share the factor record, never its tensors).
+    """
+    for key, shape in shapes.items():
+        if key in owners:
+            raise GraftError(
+                f"{where}: corrupt manifest ({owner} names tensor {key!r} with shape {list(shape)}, but that tensor "
+                f"belongs to {owners[key]} (shape {list(expected[key])}); each stored tensor belongs to one entry)"
+            )
+        expected[key], owners[key] = shape, owner
 
 
 def _factor_shapes(key: str, record: Any, where: str) -> dict[str, tuple[int, ...]]:
@@ -148,7 +174,11 @@ def _entry_shapes(name: str, entry: Any, model_shapes: Mapping[str, tuple[int, .
         diagonal = field(entry, "diagonal", dict, where, f"{label}.diagonal")
         if set(diagonal) != {"key"}:
             raise GraftError(f"{where}: corrupt manifest (`{label}.diagonal` must hold exactly `key`)")
-        shapes[field(diagonal, "key", str, where, f"{label}.diagonal.key")] = shape
+        key = field(diagonal, "key", str, where, f"{label}.diagonal.key")
+        if key != name:  # the format keys a diagonal by its weight's name: another key is another weight's Fisher
+            raise GraftError(f"{where}: corrupt manifest (the diagonal of weight {name!r} is tensor {_shown(key)}; "
+                             f"a diagonal Fisher is stored under its own weight's name, {name!r})")
+        shapes[key] = shape
     if "kfac" in entry:
         kfac = field(entry, "kfac", dict, where, f"{label}.kfac")
         if set(kfac) != {"rows", "columns"}:
@@ -217,7 +247,7 @@ def _claim(users: dict[str, str], tensor: str, user: str, where: str) -> None:
 def check_delta_manifest(manifest: dict[str, Any], where: str) -> dict[str, tuple[int, ...]]:
     """Every field a reader uses, checked; the delta's tensors (the donor's names) with their shapes."""
     weight = field(manifest, "weight", (int, float), where, "weight")
-    if not math.isfinite(weight):
+    if not _finite(weight):
         raise GraftError(f"{where}: corrupt manifest (`weight` is {weight}, not a finite number)")
     dtype = field(manifest, "dtype", str, where, "dtype")
     if dtype not in DELTA_DTYPES:

@@ -31,6 +31,7 @@ from graftmerge.pipeline.graft_plan import (
     plan_from_merge_config,
 )
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit, scored_delta
+from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs, post_architecture
 from graftmerge.pipeline.threshold_pass import (
     check_masked_total,
     compute_global_threshold,
@@ -203,13 +204,14 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
     try:
         with OutputFolder(out_path, replace=MERGE) as output:
             plan = plan_from_merge_config(merge_config)
+            loaded = check_mergekit_inputs(merge_config, options.allow_crimes, options.trust_remote_code)
             inputs = open_inputs(plan)
             _VALIDATED_PLANS[_without_dtype(plan)] = plan
             try:
                 prepare(inputs, device=options.device or "cpu", progress=not options.quiet,
                         scratch=output.scratch / "kfac-rotations")
                 # staging has OUT's basename: mergekit names the model card after it
-                with lora_inputs_in_mergekit(merge_config, inputs) as config:  # LoRA inputs read unmerged
+                with lora_inputs_in_mergekit(merge_config, inputs) as config, post_architecture(loaded):
                     if config is not merge_config and config_source is None:
                         config_source = merge_config.to_yaml()  # the card shows the config as written
                     inputs.check_unchanged()  # the pass read what was validated
@@ -234,7 +236,7 @@ def _check_before_publish(inputs: GraftInputs) -> None:
 
 
 def raise_for_cli(error: GraftError, verbose: bool):
-    """Inside a click command, a one-line ``Error:`` and exit 1; with ``-v``, the traceback."""
+    """Inside a click command, a one-line ``error:`` and exit 2; with ``-v``, the traceback."""
     if not verbose and click.get_current_context(silent=True) is not None:
         raise cli_error(error) from None
     raise error

@@ -7,10 +7,11 @@ questions: which dtype, which Fisher representation, which tensors are ranked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -31,6 +32,7 @@ from graftmerge.formats.checkpoint import (
 from graftmerge.formats.delta_folder import MANIFEST_NAME as DELTA_MANIFEST
 from graftmerge.formats.delta_folder import DeltaFolder, open_delta
 from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache, side_rank
+from graftmerge.formats.json_file import TOO_LONG_INTEGER
 from graftmerge.formats.lora_adapter import is_lora_adapter, open_lora_delta, open_lora_fine_tune
 from graftmerge.hub.artifacts import resolve_artifact
 from graftmerge.hub.kinds import FISHER
@@ -432,6 +434,9 @@ def _number(value, label: str) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise GraftError(f"graft parameter {label} must be a number, got {value!r}") from None
+    except OverflowError:  # an integer beyond float's range (YAML reads integers of up to 4300 digits)
+        raise GraftError(f"graft parameter {label} must be a finite number, got an integer of "
+                         f"{len(str(abs(value)))} digits") from None
 
 
 def remote_code_fields(folder: str | os.PathLike) -> list[str]:
@@ -618,20 +623,40 @@ def _with_implied_donor(donors: list[str], fine_tunes: list[FineTune], post) -> 
     return donors
 
 
-def read_merge_config(config_file: str):
-    """(mergekit ``MergeConfiguration``, YAML text) of a config file; GraftError when unreadable."""
+@contextlib.contextmanager
+def config_file_errors(config_file: str) -> Iterator[None]:
+    """Reading or parsing ``config_file`` inside the block: any failure becomes one GraftError line naming it."""
     try:
-        with open(config_file, encoding="utf-8") as handle:
-            source = handle.read()
-        config = MergeConfiguration.model_validate(yaml.safe_load(source))
+        yield
     except OSError as error:
         raise GraftError(f"{config_file}: cannot read ({error.strerror})") from error
     except yaml.YAMLError as error:
         raise GraftError(f"{config_file}: not valid YAML ({str(error).splitlines()[0]})") from error
+    except (RecursionError, MemoryError) as error:
+        raise GraftError(f"{config_file}: not a valid merge config (nested too deeply or too large to read)") from error
     except (ValidationError, RuntimeError) as error:
         first = str(error).strip().splitlines()
         raise GraftError(f"{config_file}: not a valid merge config ({' '.join(first[:3])})") from error
+    except UnicodeDecodeError as error:
+        raise GraftError(f"{config_file}: not a valid merge config (not UTF-8 text)") from error
+    except ValueError as error:  # yaml's int(): an integer past Python's int/str conversion limit
+        raise GraftError(f"{config_file}: not a valid merge config ({TOO_LONG_INTEGER})") from error
+
+
+def read_merge_config(config_file: str):
+    """(mergekit ``MergeConfiguration``, YAML text) of a config file; GraftError when unreadable."""
+    with config_file_errors(config_file):
+        with open(config_file, encoding="utf-8") as handle:
+            source = handle.read()
+        config = MergeConfiguration.model_validate(yaml.safe_load(source))
     return config, source
+
+
+def check_yaml_documents(config_file: str) -> None:
+    """``config_file`` (a ``mergekit-multi`` file: several YAML documents) parses; GraftError naming it otherwise."""
+    with config_file_errors(config_file), open(config_file, encoding="utf-8") as handle:
+        for _ in yaml.safe_load_all(handle.read()):
+            pass
 
 
 def read_graft_config(config_file: str):
