@@ -26,13 +26,15 @@ from graftmerge.formats.fisher_cache import FORMAT_VERSION as FISHER_VERSION
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.formats.lora_adapter import CONFIG_NAME as ADAPTER_CONFIG
 from graftmerge.formats.lora_adapter import WEIGHTS_NAME as ADAPTER_WEIGHTS
-from graftmerge.formats.lora_adapter import check_adapter_config, open_lora_adapter
+from graftmerge.formats.lora_adapter import LoraAdapter, check_adapter_config, open_lora_adapter
 from graftmerge.formats.manifest_schema import check_delta_manifest, check_fisher_manifest
 from graftmerge.hub.artifacts import ArtifactKind
 from graftmerge.hub.cards import render_delta_card, render_fisher_card
+from graftmerge.math.finite import FLOAT32_MAX, largest_magnitude, product_bound
 
 FISHER_MANIFEST = "fisher_manifest.json"
 DELTA_MANIFEST = "delta_manifest.json"
+ADAPTER_VALUE_LIMIT = FLOAT32_MAX / 2**8  # what a pulled adapter's products may reach (check_adapter_range)
 
 
 def _open_fisher_folder(folder: Path) -> Mapping[str, Any]:
@@ -166,8 +168,34 @@ def _open_adapter_folder(folder: Path) -> Mapping[str, Any]:
 
 
 def _validate_adapter_folder(folder: Path) -> None:
-    """A pulled adapter opened as a graft opens it, then every tensor read once (finite)."""
-    open_lora_adapter(folder).check_all_values()
+    """A pulled adapter opened as a graft opens it, then every tensor read once (finite), its products bounded."""
+    adapter = open_lora_adapter(folder)
+    adapter.check_all_values()
+    check_adapter_range(adapter)
+
+
+def check_adapter_range(adapter: LoraAdapter) -> None:
+    """GraftError unless nothing a graft computes from ``adapter`` in float32 can overflow (a sound bound).
+
+    Every LoRA module's :func:`product_bound` (its product ``scaling·B·A``, that product
+    rotated into any orthonormal KFAC eigenbasis, and the rotation before it is scaled)
+    and every saved whole tensor's largest value stay below :data:`ADAPTER_VALUE_LIMIT`,
+    float32's largest value over 2⁸: room for θpost + Δ', the masked part removed and a
+    λ·weight of a few. Which model the adapter will be grafted onto (and so the dtype of
+    its weights) is not known when it is pulled; a graft checks the values it computes.
+    """
+    where = adapter.file or adapter.label
+    for module, lora in sorted(adapter.modules.items()):
+        bound = product_bound(adapter.read(lora.b_key), adapter.read(lora.a_key), lora.scaling)
+        if not bound <= ADAPTER_VALUE_LIMIT:
+            raise GraftError(f"{where}: module {module}: max(1, |scaling|)·‖B‖_F·‖A‖_F = {bound:.3g} "
+                             f"(scaling {lora.scaling:.3g}) exceeds {ADAPTER_VALUE_LIMIT:.3g}, so its Δ or Δ's KFAC "
+                             "rotation could overflow float32 in a graft; refused")
+    for key in sorted(adapter.full.values()):
+        largest = largest_magnitude(adapter.read(key))
+        if not largest <= ADAPTER_VALUE_LIMIT:
+            raise GraftError(f"{where}: saved tensor {key!r} holds |x| = {largest:.3g}, beyond "
+                             f"{ADAPTER_VALUE_LIMIT:.3g}: a graft's float32 Δ of it could overflow; refused")
 
 
 LORA_ADAPTER = ArtifactKind(
