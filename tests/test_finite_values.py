@@ -153,7 +153,7 @@ def config_for(m: dict[str, Path], case: str) -> str:
         "NaN in a delta folder, ρ = 0": alone("delta NaN"),
         "NaN in a delta folder, KFAC global": alone("delta NaN", rho=0.1),
         "θft − θdonor overflows float32": graft_yaml(post, m["donor huge"], [(m["ft huge"], 1)]),
-        "λ·(θft − θdonor) overflows float32": graft_yaml(post, donor, [(ft, 1)], lam=1e38),
+        "λ·(θft − θdonor) overflows float32": graft_yaml(post, donor, [(ft, 1)], lam=1e40),
         "donor_ft beyond float16, dtype: float16": graft_yaml(post, donor, [(m["ft 1e5"], 1)], dtype="float16",
                                                              out_dtype="float16"),
         "θpost + Δ beyond float16, out_dtype: float16": graft_yaml(post, donor, [(m["ft 1e5"], 1)],
@@ -181,7 +181,7 @@ CASES = {
     "θft − θdonor overflows float32": [f"tensor '{UP}': λ·weight · (θft − θdonor) of donor_ft {{ft huge}} "
                                        "overflows float32"],
     "λ·(θft − θdonor) overflows float32": ["λ·weight · (θft − θdonor) of donor_ft {donor_ft} overflows float32",
-                                           "(λ·weight = 1e+38)"],
+                                           "(λ·weight = 1e+40)"],
     "donor_ft beyond float16, dtype: float16": [f"donor_ft {{ft 1e5}}: tensor '{UP}' has values beyond float16's "
                                                 "range (largest |x| 1e+05)"],
     "θpost + Δ beyond float16, out_dtype: float16": [f"tensor '{UP}': θpost + Δ has values beyond float16's range",
@@ -228,15 +228,24 @@ def test_a_nonfinite_value_is_one_line_and_out_is_untouched(m, tmp_path, case):
     """mergekit-yaml (and graftmerge merge for some): exit 2, one line naming tensor and input, OUT as it was."""
     config = tmp_path / "graft.yml"
     config.write_text(config_for(m, case))
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("the previous model")  # not a merge's: a refused merge must leave it alone
-    before, out_before = watched(m), tree_digest(out)
-    line = refused_line(run_cli("mergekit-yaml", str(config), str(out), "--quiet"))
+    before = watched(m)
+    line = refused_line(run_cli("mergekit-yaml", str(config), str(tmp_path / "out"), "--quiet"))
     for part in expected_parts(m, case):
         assert part in line, line
-    assert tree_digest(out) == out_before and sorted(p.name for p in tmp_path.iterdir()) == ["graft.yml", "out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graft.yml"]  # no OUT, staging, lock or old copy
     assert watched(m) == before
+
+
+def test_a_refused_merge_leaves_the_previous_out_as_it_was(m, tmp_path):
+    good, bad = tmp_path / "good.yml", tmp_path / "bad.yml"
+    good.write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 1)]))
+    bad.write_text(config_for(m, "Inf in donor_ft, ρ = 0"))
+    out = tmp_path / "out"
+    assert run_cli("mergekit-yaml", str(good), str(out), "--quiet").returncode == 0
+    before = tree_digest(out)
+    line = refused_line(run_cli("mergekit-yaml", str(bad), str(out), "--quiet"))
+    assert f"tensor '{UP}' contains NaN or Inf" in line
+    assert tree_digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["bad.yml", "good.yml", "out"]
 
 
 @pytest.mark.parametrize("case", ["Inf in donor_ft, ρ = 0", "Inf in donor_ft, KFAC global",
