@@ -447,3 +447,36 @@ def test_the_fixture_adapters_are_what_their_names_say(m):
     adapter = open_lora_adapter(m["lora rotation"])
     product = adapter.product(Q.removesuffix(".weight"), transposed=False)
     assert bool(torch.isfinite(product).all()) and float(product.abs().max()) > 1e37
+
+
+def test_a_diagonal_mask_never_zeroes_away_a_nonfinite_value(m, tmp_path):
+    """The merge applies the mask the threshold pass kept; an Inf arriving at a masked coordinate
+    (the input changed after the pass) is refused, not zeroed into a finite-looking model."""
+    from graftmerge.formats.checkpoint import Checkpoint
+    from graftmerge.pipeline.graft import graft_opened, prepare
+
+    config = tmp_path / "graft.yml"
+    config.write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 1)], rho=0.1, fisher=m["diag"]))
+    inputs = GraftInputs.open(plan_from_merge_config(read_merge_config(str(config))[0]))
+    prepare(inputs, progress=False, scratch=tmp_path / "scratch")
+    positions = inputs.memo["kept_masks"].masked_positions(UP)
+    assert positions is not None and positions.numel() > 0
+    post, donor, ft = (Checkpoint(m[key]).read(UP) for key in ("post", "donor", "donor_ft"))
+    assert fits(graft_opened(inputs, UP, post, donor, [ft.clone()]))
+    arrived = ft.clone()
+    arrived.view(-1)[positions[0]] = math.inf  # exactly where the mask zeroes Δ
+    with pytest.raises(GraftError, match=rf"tensor '{UP}': Δ from donor_ft .* was not finite, but its inputs read "
+                                         "again are: did an input change during the merge"):
+        graft_opened(inputs, UP, post, donor, [arrived])
+
+
+def test_delta_pull_refuses_a_delta_whose_values_could_overflow(m, hf_cache, tmp_path):
+    from graftmerge.pipeline.delta_extract import extract_delta
+
+    folder = extract_delta(m["donor"], m["donor_ft"], tmp_path / "delta", progress=False)
+    edit_tensor(folder, UP, poke(1e37))
+    place_in_hf_cache(hf_cache, "acme/huge-delta", folder)
+    line = refused_line(run_cli("graftmerge", "delta", "pull", "acme/huge-delta", "-o", str(tmp_path / "pulled"),
+                                "-q"))
+    assert line.startswith("error: pull refused: acme/huge-delta@") and f"delta tensor '{UP}' holds |x| = 1e+37" in line
+    assert not (tmp_path / "pulled").exists()

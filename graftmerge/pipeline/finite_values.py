@@ -85,6 +85,9 @@ def nonfinite_error(inputs: GraftInputs, name: str, rows: tuple[int, int] | None
     if problem:
         return GraftError(problem)
     terms = _term_labels(inputs)
+    if stage == "delta":  # Δ was not finite, yet every input read again is: it changed under the merge
+        return GraftError(f"{where}: Δ from {terms} was not finite, but its inputs read again are: did an input "
+                          "change during the merge? Run it again")
     if stage == "scores":
         if rotated is not None and not all_finite(rotated):
             return GraftError(f"{where}: its KFAC rotation Δ̃ = UᵀΔV overflows float32 (Δ from {terms} is finite, "
@@ -117,7 +120,8 @@ def _input_problem(source, name: str, rows: tuple[int, int] | None, dtype: torch
     if not all_finite(raw):
         if getattr(source, "bound", None) is not None:
             return adapter_problem(source, name, rows)
-        return f"{source.label}: tensor {name!r} contains NaN or Inf ({source.tensors[name].file or 'in memory'})"
+        return (f"{source.label}: tensor {name!r} contains NaN or Inf ({source.tensors[name].file or 'in memory'}); "
+                "a graft would write it into the model: repair or replace that input")
     if not fits(raw, dtype):
         return (f"{source.label}: tensor {name!r} has values beyond {_dtype_name(dtype)}'s range (largest |x| "
                 f"{largest_magnitude(raw):.3g}), the dtype this merge computes in; set a wider `dtype:`")
@@ -175,7 +179,7 @@ def _result_problem(inputs: GraftInputs, name: str, where: str, dtype: torch.dty
     """Δ is finite: θpost + Δ' left a dtype's range, or (KFAC) removing the masked part overflowed."""
     post = given[0] if given else inputs.post.read(name).to(dtype)
     delta = inputs.read_delta(name)
-    unmasked = delta.add_(post.to(delta.dtype))
+    unmasked = delta.add_(post.to(device=delta.device, dtype=delta.dtype))
     terms = _term_labels(inputs)
     for target in (compute_dtype(dtype), dtype, out_dtype):
         if target is not None and not fits(unmasked, target):

@@ -240,7 +240,7 @@ class InMemoryDelta(InMemoryCheckpoint):
         super().__init__(tensors, dtypes, label)
         self.given = tensors
         for name, tensor in tensors.items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 raise GraftError(f"{label}: delta tensor {name!r} contains NaN or Inf")
 
     @property
