@@ -179,8 +179,9 @@ CASES = {
     "NaN in a delta folder, ρ = 0": [f"delta tensor '{UP}' contains NaN or Inf", "{delta NaN}/model-"],
     "NaN in a delta folder, KFAC global": [f"delta tensor '{UP}' contains NaN or Inf", "{delta NaN}/model-"],
     "θft − θdonor overflows float32": [f"tensor '{UP}': λ·weight · (θft − θdonor) of donor_ft {{ft huge}} "
-                                       "overflows float32"],
-    "λ·(θft − θdonor) overflows float32": ["λ·weight · (θft − θdonor) of donor_ft {donor_ft} overflows float32",
+                                       "against donor {donor huge} overflows float32"],
+    "λ·(θft − θdonor) overflows float32": ["λ·weight · (θft − θdonor) of donor_ft {donor_ft} against donor {donor} "
+                                           "overflows float32",
                                            "(λ·weight = 1e+40)"],
     "donor_ft beyond float16, dtype: float16": [f"donor_ft {{ft 1e5}}: tensor '{UP}' has values beyond float16's "
                                                 "range (largest |x| 1e+05)"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -194,9 +195,10 @@ def check_adapter_range(adapter: LoraAdapter) -> None:
     for module, lora in sorted(adapter.modules.items()):
         bound = product_bound(adapter.read(lora.b_key), adapter.read(lora.a_key), lora.scaling)
         if not bound <= PULLED_VALUE_LIMIT:
+            beyond = ", a factor holding values beyond float32's range," if bound == math.inf else ""
             raise GraftError(f"{where}: module {module}: max(1, |scaling|)·‖B‖_F·‖A‖_F = {bound:.3g} "
-                             f"(scaling {lora.scaling:.3g}) exceeds {PULLED_VALUE_LIMIT:.3g}, so its Δ or Δ's KFAC "
-                             "rotation could overflow float32 in a graft; refused")
+                             f"(scaling {lora.scaling:.3g}{beyond}) exceeds {PULLED_VALUE_LIMIT:.3g}, so its Δ or "
+                             "Δ's KFAC rotation could overflow float32 in a graft; refused")
     for key in sorted(adapter.full.values()):
         largest = largest_magnitude(adapter.read(key))
         if not largest <= PULLED_VALUE_LIMIT:

@@ -147,9 +147,10 @@ def adapter_problem(source, name: str, rows: tuple[int, int] | None = None) -> s
                     "a graft computes Δ in float32")
     if weight is not None and weight.module is not None:
         lora = adapter.modules[weight.module]
-        return (f"{where}: the LoRA product scaling·B·A of module {weight.module} overflows float32 "
-                f"(scaling = {lora.scaling:.3g}); the adapter's factors or lora_alpha are too large")
-    return f"{where}: base + adapter overflows float32"
+        if not all_finite(adapter.product(weight.module, weight.transposed)):
+            return (f"{where}: the LoRA product scaling·B·A of module {weight.module} overflows float32 "
+                    f"(scaling = {lora.scaling:.3g}); the adapter's factors or lora_alpha are too large")
+    return f"{where}: the base tensor plus the adapter's Δ overflows float32; the adapter's Δ is too large"
 
 
 def _delta_problem(inputs: GraftInputs, name: str, rows: tuple[int, int] | None, dtype: torch.dtype,
@@ -164,7 +165,8 @@ def _delta_problem(inputs: GraftInputs, name: str, rows: tuple[int, int] | None,
         term = donor_delta(donor, fine_tunes, [lam] * len(fine_tunes), deltas, [lam] * len(deltas))
         if not all_finite(term):
             what = "λ·weight · (θft − θdonor)" if fine_tunes else "λ·weight · δ"
-            return (f"{where}: {what} of {source.label} overflows {_dtype_name(term.dtype)} "
+            against = f" against {inputs.donor.label}" if fine_tunes else ""
+            return (f"{where}: {what} of {source.label}{against} overflows {_dtype_name(term.dtype)} "
                     f"(λ·weight = {lam:.3g}){_HINT}")
     delta = inputs.read_delta(name, rows=rows)
     if not all_finite(delta):
@@ -184,7 +186,7 @@ def _result_problem(inputs: GraftInputs, name: str, where: str, dtype: torch.dty
     for target in (compute_dtype(dtype), dtype, out_dtype):
         if target is not None and not fits(unmasked, target):
             return (f"{where}: θpost + Δ has values beyond {_dtype_name(target)}'s range (largest |x| "
-                    f"{largest_magnitude(unmasked):.3g}; post model {inputs.post.label}, Δ from {terms}){_HINT}, "
+                    f"{largest_magnitude(unmasked):.3g}; {inputs.post.label}, Δ from {terms}){_HINT}, "
                     "or use a wider `dtype:` / `out_dtype:`")
     if inputs.plan.masked and inputs.fisher_kind(name) == "kfac":
         return (f"{where}: removing the masked KFAC directions U(1_S ⊙ Δ̃)Vᵀ from Δ (from {terms}) overflows "
