@@ -317,12 +317,35 @@ def test_merge_state_dicts_refuses_nonfinite_inputs_and_products(m):
         big[UP].view(-1)[5] = 1e5
         merge_state_dicts({"post": post, "donor": donor, "ft": big}, "graft", base="post", parameters=roles,
                           dtype=torch.float32, out_dtype=torch.float16)
-    adapter = m["lora huge alpha"]
     model_config = json.loads((m["post"] / "config.json").read_text())
+    in_memory = lambda adapter: lora_delta_state_dict(  # noqa: E731
+        load_file(adapter / "adapter_model.safetensors"), json.loads((adapter / "adapter_config.json").read_text()),
+        post, model_config=model_config)
     with pytest.raises(GraftError, match=rf"tensor '{Q}': the LoRA product scaling·B·A of module"):
-        lora_delta_state_dict(load_file(adapter / "adapter_model.safetensors"),
-                              json.loads((adapter / "adapter_config.json").read_text()), post,
-                              model_config=model_config)
+        in_memory(m["lora huge alpha"])
+    with pytest.raises(GraftError, match=rf"tensor '{Q}': its KFAC rotation Δ̃ = UᵀΔV overflows float32"):
+        merge_state_dicts({"post": post, "lora": in_memory(m["lora rotation"])}, "graft", base="post",
+                          parameters={"role": {"lora": "delta"}, "rho": 0.1, "fisher": str(m["kfac"]), "mask": "kfac"},
+                          dtype=torch.float32)
+
+
+def test_run_merge_raises_the_graft_error(m, tmp_path):
+    """mergekit's own Python entry point: the GraftError itself, and no OUT."""
+    from mergekit.merge import run_merge
+    from mergekit.options import MergeOptions
+
+    from graftmerge.adapter import import_hook
+
+    import_hook.install()
+    config = read_merge_config_text(config_for(m, "NaN in donor_ft, diagonal global"), tmp_path)
+    with pytest.raises(GraftError, match=rf"donor_ft {m['ft NaN']}: tensor '{UP}' contains NaN or Inf"):
+        run_merge(config, str(tmp_path / "out"), options=MergeOptions(quiet=True))
+    assert not (tmp_path / "out").exists()
+
+
+def read_merge_config_text(text: str, folder: Path):
+    (folder / "graft.yml").write_text(text)
+    return read_merge_config(str(folder / "graft.yml"))[0]
 
 
 # -- large but finite values still merge, bit for bit ------------------------------------------------------------------
