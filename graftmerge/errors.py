@@ -1,5 +1,7 @@
 """The one exception type users see: a problem with their input, said in one line."""
 
+import contextlib
+
 import click
 
 
@@ -24,3 +26,21 @@ class OneLineError(click.ClickException):
 def cli_error(error: GraftError):
     """A click exception that prints ``error: <message>`` and exits 2."""
     return OneLineError(str(error))
+
+
+@contextlib.contextmanager
+def one_line_click_errors(enabled: bool = True):
+    """click's own errors raised in the block (usage, bad parameter, file) become one ``error:`` line, exit 2.
+
+    Help shown for a bare group (click's NoArgsIsHelpError) and our own one-line errors pass unchanged.
+    """
+    try:
+        yield
+    except (OneLineError, click.exceptions.NoArgsIsHelpError):
+        raise
+    except click.ClickException as error:
+        if not enabled:
+            raise
+        context = getattr(error, "ctx", None)
+        hint = f" (see '{context.command_path} --help')" if context is not None else ""
+        raise OneLineError(" ".join(error.format_message().split()) + hint) from None

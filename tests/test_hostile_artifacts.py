@@ -322,8 +322,10 @@ FISHER_CASES = {
                                    f"entries['{NORM}']` has representation 'full'"),
     "unknown factor key": Case("fisher", manifest_edit(lambda m: m["entries"][Q]["kfac"].update(rows="kfac/nope/rows")),
                                "names factor 'kfac/nope/rows', which `factors` does not have"),
-    "diagonal key not filed": Case("fisher", manifest_edit(lambda m: m["entries"][NORM]["diagonal"].update(key="nope")),
-                                   "tensor 'nope' is named but `files` has no shard for it"),
+    "diagonal key not filed": Case("fisher", manifest_edit(lambda m: m["files"].pop(NORM)),
+                                   f"tensor {NORM!r} is named but `files` has no shard for it"),
+    "diagonal keyed by another name": Case("fisher", manifest_edit(lambda m: m["entries"][NORM]["diagonal"].update(
+        key="nope")), "is tensor 'nope'; a diagonal Fisher is stored under its own weight's name"),
     "files names a path outside": Case("fisher", manifest_edit(lambda m: m["files"].update({NORM: "../x.safetensors"})),
                                        "'../x.safetensors', not a .safetensors file inside the cache"),
     "factor rank above size": Case("fisher", manifest_edit(lambda m: first_factor(m).update(rank=10**6)), "rank 1000000"),

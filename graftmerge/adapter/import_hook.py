@@ -18,6 +18,8 @@ import sys
 _AFTER_IMPORT = {
     "mergekit.merge_methods.registry": ("graftmerge.adapter.merge_method", "register_graft"),
     "mergekit.merge": ("graftmerge.adapter.merge_method", "wrap_run_merge"),
+    "mergekit.scripts.run_yaml": ("graftmerge.adapter.merge_method", "wrap_config_script"),
+    "mergekit.scripts.multimerge": ("graftmerge.adapter.merge_method", "wrap_config_script"),
 }
 
 

@@ -11,6 +11,7 @@ not yet defined and skips it), and the lines at the bottom register graft.
 
 from __future__ import annotations
 
+import functools
 import sys
 from types import ModuleType
 from typing import Any
@@ -28,11 +29,12 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
-from graftmerge.errors import GraftError
+from graftmerge.errors import GraftError, one_line_click_errors
 from graftmerge.formats.checkpoint import InMemoryCheckpoint
 from graftmerge.pipeline.graft import (
     graft_in_memory,
     graft_tensor,
+    raise_for_cli,
     run_graft_merge,
     validated_plan,
     was_validated,
@@ -41,7 +43,9 @@ from graftmerge.pipeline.graft_plan import (
     FineTune,
     GraftInputs,
     GraftPlan,
+    check_yaml_documents,
     positional_roles,
+    read_merge_config,
     resolve_model_folder,
 )
 from graftmerge.pipeline.lora_inputs import InMemoryDelta
@@ -154,6 +158,7 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
     if len(set(names)) != len(names):
         raise GraftError("graft needs distinct tensor names for in-memory inputs")
     dtypes = {name: dtype for name, dtype in zip(names, input_dtypes)}
+    check_distinct_state_dicts(groups, [(first.base.id, "base"), *((key, roles[key]) for key in non_base)])
 
     def source(key, label: str, kind=InMemoryCheckpoint) -> InMemoryCheckpoint:
         """Input ``key``'s tensor of every group, as one in-memory checkpoint (or ``kind``)."""
@@ -186,6 +191,33 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
     return list(graft_in_memory(inputs, device=first.entries[0].tensor.device, out_dtype=out_dtype))
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are one object or one view of the same memory (not merely equal values)."""
+    return a is b or (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+                      and a.numel() > 0 and a.data_ptr() == b.data_ptr())
+
+
+def check_distinct_state_dicts(groups, inputs: list[tuple[Any, str]]) -> None:
+    """In memory, the inputs' identity is their tensors': two inputs whose every tensor is the same
+    object (or the same memory) are one input given twice, refused as a folder given twice is.
+
+    ``inputs``: (id, role) with the base first. The base again as the donor is the masked update
+    (Δ = θft − θpost) and allowed; a donor_ft sharing only some tensors with the donor (a copy of
+    its state dict with some weights replaced) is a real fine-tune and allowed too.
+    """
+    column = {key: index for index, key in enumerate(entry.id for entry in groups[0].entries)}
+    for position, (key, role) in enumerate(inputs):
+        for other, other_role in inputs[:position]:
+            if {role, other_role} == {"base", "donor"}:
+                continue
+            if all(_same_storage(g.entries[column[key]].tensor, g.entries[column[other]].tensor) for g in groups):
+                raise GraftError(
+                    f"graft input {key!r} ({role}) and input {other!r} ({other_role}) are the same tensors "
+                    "(one state dict given twice); each input is a different model (only the base may be given "
+                    "again, as role donor: that masks Δ = θft − θpost)"
+                )
+
+
 graft_merge_method = GraftMergeMethod()
 
 
@@ -215,8 +247,56 @@ def wrap_run_merge(merge_module) -> None:
     merge_module.run_merge = run_merge
 
 
+def wrap_config_script(script_module) -> None:
+    """``mergekit-yaml`` / ``mergekit-multi``: their config file is read by graftmerge's reader first.
+
+    mergekit parses the YAML itself, where a missing file, bad YAML or an integer past
+    Python's 4300-digit limit is a traceback; read first, any of them is one ``error:``
+    line and exit 2 (for every merge method: mergekit could not have run such a config).
+    A config that reads is then run by mergekit's own command, unchanged.
+    """
+    command = getattr(script_module, "main", None)
+    original = getattr(command, "callback", None)
+    if original is None or getattr(original, "_graftmerge_wrapped", False):
+        return
+    check = check_yaml_documents if script_module.__name__.endswith("multimerge") else read_merge_config
+
+    @functools.wraps(original)
+    def callback(*args, **kwargs):
+        """Read the config with graftmerge's checks, then run mergekit's command (docstring: the original's)."""
+        try:
+            check(kwargs["config_file"])
+        except GraftError as error:
+            raise_for_cli(error, verbose=getattr(kwargs.get("merge_options"), "verbosity", 0) > 0)
+        return original(*args, **kwargs)
+
+    callback._graftmerge_wrapped = True
+    command.callback = callback
+    _one_line_usage_errors(command)
+
+
+def _one_line_usage_errors(command) -> None:
+    """click's usage errors of mergekit's command (missing argument, unknown option) as ``error:`` lines too."""
+    make_context, invoke = command.make_context, command.invoke
+
+    def checked_make_context(*args, **kwargs):
+        """mergekit's command's context; a usage error is one ``error:`` line."""
+        with one_line_click_errors():
+            return make_context(*args, **kwargs)
+
+    def checked_invoke(context):
+        """mergekit's command run; click's own errors in it are one ``error:`` line."""
+        with one_line_click_errors():
+            return invoke(context)
+
+    command.make_context, command.invoke = checked_make_context, checked_invoke
+
+
 # Imported directly (not through the hook): register with whatever is loaded.
 if "mergekit.merge_methods.registry" in sys.modules:
     register_graft(sys.modules["mergekit.merge_methods.registry"])
 if "mergekit.merge" in sys.modules:
     wrap_run_merge(sys.modules["mergekit.merge"])
+for _script in ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge"):
+    if _script in sys.modules:
+        wrap_config_script(sys.modules[_script])

@@ -1,7 +1,9 @@
 """The ``graftmerge`` command: thin click wrappers over the library.
 
-Every subcommand turns a :class:`GraftError` into ``error: <message>`` and a
-non-zero exit; ``-v`` shows the traceback instead.
+Every subcommand turns a :class:`GraftError` into ``error: <message>`` and exit
+status 2; ``-v`` shows the traceback instead. click's own usage errors (a missing
+argument, an unknown option, a bad option value) are said the same way: one
+``error:`` line naming the command's ``--help``, exit status 2.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import importlib
 import click
 
 from graftmerge import __version__
-from graftmerge.errors import GraftError, cli_error
+from graftmerge.errors import GraftError, cli_error, one_line_click_errors
 
 
 def report_errors(command):
@@ -57,6 +59,16 @@ class LazyGroup(click.Group):
         super().__init__(*args, **kwargs)
         self.lazy_commands = lazy_commands or {}
         self.wrap_errors = wrap_errors
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        """click's context for this group; with ``wrap_errors``, a usage error in its own options is one line."""
+        with one_line_click_errors(self.wrap_errors):
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):
+        """Run the subcommand; with ``wrap_errors``, click's errors in it (usage, parameters) are one line."""
+        with one_line_click_errors(self.wrap_errors):
+            return super().invoke(ctx)
 
     def list_commands(self, ctx):
         """Every subcommand name, the lazy ones included, sorted as --help lists them."""

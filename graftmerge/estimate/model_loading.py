@@ -45,7 +45,7 @@ def _config_dict(folder: Path) -> dict[str, Any]:
     """config.json as a dict; GraftError if it is not a JSON object."""
     try:
         config = json.loads((folder / "config.json").read_bytes())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+    except (OSError, ValueError, RecursionError, MemoryError) as error:  # ValueError: bad JSON, a too-long integer
         raise GraftError(f"{folder}/config.json is not a transformers config ({_first_line(error)})") from error
     if not isinstance(config, dict):
         raise GraftError(f"{folder}/config.json is not a transformers config (not a JSON object)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,20 +65,27 @@ def read_jsonl(path: str | Path, what: str) -> list[tuple[int, dict[str, Any]]]:
     path = Path(path)
     if not path.is_file():
         raise GraftError(f"{what} file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.readlines()
+    except UnicodeDecodeError as error:
+        raise GraftError(f"{what} file {path} is not UTF-8 text (byte {error.start})") from error
     records = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise GraftError(f"{path}:{number}: invalid JSON ({error.msg})") from error
-            if not isinstance(record, dict):
-                raise GraftError(
-                    f"{path}:{number}: expected a JSON object, got {type(record).__name__}"
-                )
-            records.append((number, record))
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise GraftError(f"{path}:{number}: invalid JSON ({error.msg})") from error
+        except (ValueError, RecursionError, MemoryError) as error:  # int() past Python's limit; deep nesting
+            raise GraftError(f"{path}:{number}: invalid JSON (an integer of more than "
+                             f"{sys.get_int_max_str_digits()} digits, or nested too deeply)") from error
+        if not isinstance(record, dict):
+            raise GraftError(
+                f"{path}:{number}: expected a JSON object, got {type(record).__name__}"
+            )
+        records.append((number, record))
     if not records:
         raise GraftError(f"{what} file {path} is empty")
     return records

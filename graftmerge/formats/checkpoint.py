@@ -20,7 +20,12 @@ import torch
 from safetensors import safe_open
 
 from graftmerge.errors import GraftError
-from graftmerge.formats.json_file import DuplicateKeyError, load_json_file, refuse_duplicate_keys
+from graftmerge.formats.json_file import (
+    TOO_LONG_INTEGER,
+    DuplicateKeyError,
+    load_json_file,
+    refuse_duplicate_keys,
+)
 
 SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8),
@@ -76,6 +81,42 @@ class SafetensorsLayout:
     header_sha256: str
     tensors: dict[str, TensorInfo]
     offsets: dict[str, tuple[int, int]]  # [begin, end) of each tensor within the data section
+    identity: FileIdentity | None = None  # the file as its header was read (``file_identity``)
+
+
+FileIdentity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
+
+
+def file_identity(info: os.stat_result) -> FileIdentity:
+    """What pins a file's bytes: device, inode, size, mtime and ctime.
+
+    The kernel sets ctime on every change to a file and user space cannot set it back
+    (``os.utime`` restores mtime only), so an in-place rewrite changes ctime and a file
+    replaced by rename has another inode: while all five agree, the bytes are the same.
+    """
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def _identity_change(before: FileIdentity, after: FileIdentity) -> str:
+    """How a pinned file changed, in words."""
+    if before[:2] != after[:2]:
+        return "replaced by another file"
+    if before[2] != after[2]:
+        return f"size {before[2]} → {after[2]} bytes"
+    return "rewritten in place" + (" (modification time put back)" if before[3] == after[3] else "")
+
+
+def check_unchanged(pinned: dict[Path, FileIdentity]) -> None:
+    """GraftError naming the first file of ``pinned`` that is gone or no longer has its pinned identity."""
+    for file, before in sorted(pinned.items()):
+        try:
+            after = file_identity(os.stat(file))
+        except OSError as error:
+            raise GraftError(f"{file} was removed or became unreadable while the merge read it ({error.strerror}); "
+                             "run again") from error
+        if after != before:
+            raise GraftError(f"{file} changed while the merge read it ({_identity_change(before, after)}); "
+                             "run again")
 
 
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
@@ -92,7 +133,8 @@ def read_safetensors_layout(file: Path) -> SafetensorsLayout:
     dims and offsets matching the shape; offsets sorted, contiguous from 0, never
     overlapping, covering the data section exactly to the end of the file.
     """
-    raw, size = _header_bytes(file)
+    raw, info = _header_bytes(file)
+    size = info.st_size
     header = _header_json(raw, file)
     tensors: dict[str, TensorInfo] = {}
     offsets: dict[str, tuple[int, int]] = {}
@@ -103,14 +145,15 @@ def read_safetensors_layout(file: Path) -> SafetensorsLayout:
         tensors[name], offsets[name] = _header_entry(file, name, entry)
     _check_data_layout(file, offsets, size - 8 - len(raw))
     return SafetensorsLayout(file=file, data_start=8 + len(raw), header_sha256=hashlib.sha256(raw).hexdigest(),
-                             tensors=tensors, offsets=offsets)
+                             tensors=tensors, offsets=offsets, identity=file_identity(info))
 
 
-def _header_bytes(file: Path) -> tuple[bytes, int]:
-    """(the header's JSON bytes, the file's size); GraftError for a short file or an absurd length."""
+def _header_bytes(file: Path) -> tuple[bytes, os.stat_result]:
+    """(the header's JSON bytes, the opened file's stat); GraftError for a short file or an absurd length."""
     try:
-        size = file.stat().st_size
         with open(file, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            size = info.st_size
             prefix = handle.read(8)
             if len(prefix) < 8:
                 raise GraftError(f"{file}: not a safetensors file (only {size} bytes)")
@@ -120,7 +163,7 @@ def _header_bytes(file: Path) -> tuple[bytes, int]:
                     f"{file}: corrupt or truncated safetensors header "
                     f"(header claims {header_len} bytes, file has {size})"
                 )
-            return handle.read(header_len), size
+            return handle.read(header_len), info
     except OSError as error:
         raise GraftError(f"{file}: cannot read ({error.strerror})") from error
 
@@ -135,6 +178,10 @@ def _header_json(raw: bytes, file: Path) -> dict[str, Any]:
         raise GraftError(f"{file}: corrupt safetensors header (not JSON)") from error
     except RecursionError as error:
         raise GraftError(f"{file}: corrupt safetensors header (nested too deeply)") from error
+    except ValueError as error:  # json's int(): an integer past Python's int/str conversion limit
+        raise GraftError(f"{file}: corrupt safetensors header ({TOO_LONG_INTEGER})") from error
+    except MemoryError as error:
+        raise GraftError(f"{file}: corrupt safetensors header (too large to parse in memory)") from error
     if not isinstance(header, dict):
         raise GraftError(f"{file}: corrupt safetensors header (not a JSON object)")
     return header
@@ -213,6 +260,14 @@ def shard_sample_digest(layout: SafetensorsLayout) -> str:
     return digest.hexdigest()
 
 
+def _stat_identity(file: Path) -> FileIdentity | None:
+    """``file_identity`` of ``file`` now, None when there is no such file."""
+    try:
+        return file_identity(os.stat(file))
+    except OSError:
+        return None
+
+
 class TensorSource:
     """What a graft reads from each input: tensor infos by name, and one tensor at a time."""
 
@@ -222,6 +277,10 @@ class TensorSource:
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """One tensor (or its rows ``[start, stop)``), as stored; subclasses implement it."""
         raise NotImplementedError
+
+    def pinned(self) -> dict[Path, FileIdentity]:
+        """Every file this source reads, with its identity when it was opened (none for tensors in memory)."""
+        return {}
 
     def fingerprint(self) -> dict[str, dict]:
         """Names, shapes and dtypes: what a Fisher cache must match."""
@@ -241,6 +300,7 @@ class Checkpoint(TensorSource):
             raise GraftError(f"{self.label}: model folder {self.folder} does not exist")
         self.tensors: dict[str, TensorInfo] = {}
         self.layouts: dict[Path, SafetensorsLayout] = {}  # every shard's checked header
+        self._index_identity = _stat_identity(self.folder / INDEX_NAME)
         weight_map = self._weight_map()
         files = sorted({self.folder / f for f in weight_map.values()}) if weight_map is not None else self._glob_shards()
         for file in files:
@@ -301,6 +361,13 @@ class Checkpoint(TensorSource):
             if rows is None:
                 return handle.get_tensor(name)
             return handle.get_slice(name)[rows[0] : rows[1]]
+
+    def pinned(self) -> dict[Path, FileIdentity]:
+        """Every shard (and the shard index), with its identity when its header was read."""
+        pinned = {file: layout.identity for file, layout in self.layouts.items()}
+        if self._index_identity is not None:
+            pinned[self.folder / INDEX_NAME] = self._index_identity
+        return pinned
 
     def file_stamps(self) -> list[tuple[str, int, int]]:
         """(path, size, mtime_ns) of every shard: cheap identity for result caches."""

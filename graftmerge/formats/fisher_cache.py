@@ -31,6 +31,8 @@ from graftmerge import __version__
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import (
     Checkpoint,
+    FileIdentity,
+    file_identity,
     hf_cache_origin,
     read_safetensors_layout,
     shard_sample_digest,
@@ -357,6 +359,9 @@ SETTLED_SECONDS = 2.0  # a shard changed more recently than this is not named by
 def unchanged_file_identity(before: os.stat_result, after: os.stat_result, key: str) -> str | None:
     """sha256 naming tensor ``key`` of a shard by the file's identity, when the file did not change during the read.
 
+    Anyone can compute it from ``stat()``: it is only the subject of a record, whose name
+    :class:`~graftmerge.formats.user_cache.PassedChecks` keys by the user's secret.
+
     Device, inode, size, mtime and ctime: the kernel sets ctime on every change to a file
     and user space cannot set it back, so while these agree the file holds the same bytes
     and the record of a basis that passed can be found without hashing them. None (hash
@@ -405,6 +410,10 @@ class FisherCache:
             raise GraftError(
                 f"{self.path} is not a Fisher cache (no {MANIFEST_NAME}; an interrupted write leaves none)"
             )
+        try:
+            self._manifest_identity = file_identity(os.stat(manifest_file))  # before it is read: later edits are seen
+        except OSError as error:
+            raise GraftError(f"{manifest_file}: cannot read manifest ({error.strerror})") from error
         self.manifest = load_json_file(manifest_file, "manifest")
         if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT_NAME:
             raise GraftError(f"{manifest_file}: not a graftmerge Fisher manifest")
@@ -567,6 +576,12 @@ class FisherCache:
         for name in self.entries:
             if name not in actual and not partial:
                 raise GraftError(f"Fisher cache {self.path} has an entry for unknown tensor {name!r}")
+
+    def pinned(self) -> dict[Path, FileIdentity]:
+        """The manifest and every shard, with their identities when they were read (``file_identity``)."""
+        pinned = {self.path / file: layout.identity for file, layout in self._layouts.items()}
+        pinned[self.path / MANIFEST_NAME] = self._manifest_identity
+        return pinned
 
     def file_stamps(self) -> list[tuple[str, int, int]]:
         """(resolved path, size, mtime) of the manifest and every shard: changes when the cache does."""

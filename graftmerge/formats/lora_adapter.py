@@ -32,6 +32,7 @@ the result as tensor sources keyed by the model's own parameter names.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -46,11 +47,19 @@ import torch
 from safetensors import safe_open
 
 from graftmerge.errors import GraftError
+from graftmerge.formats.bounded_regex import (
+    check_pattern,
+    pattern_fullmatch,
+    pattern_match,
+    pattern_matches_start,
+)
 from graftmerge.formats.checkpoint import (
     SAFETENSORS_NAMES,
+    FileIdentity,
     SafetensorsLayout,
     TensorInfo,
     TensorSource,
+    file_identity,
     read_safetensors_layout,
     shard_sample_digest,
 )
@@ -63,6 +72,7 @@ FLOATING = ("F64", "F32", "F16", "BF16")
 FACTOR_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<side>[AB])\.weight")
 EMBEDDING_KEY = re.compile(r"(?P<module>.+)\.lora_embedding_(?P<side>[AB])")
 BASE_LAYER_KEY = re.compile(r"(?P<module>.+)\.base_layer\.(?P<parameter>[^.]+)")
+MAX_CLASS_NAME = 256  # auto_mapping / architectures names longer than this are no model class
 # model_type -> transformers' Conv1D layers (weights stored in × out, so Δ = (B·A)ᵀ)
 CONV1D_MODEL_TYPES = frozenset({"gpt2", "openai-gpt", "imagegpt", "decision_transformer"})
 CONV1D_MODULES = frozenset({"c_attn", "q_attn", "c_fc", "c_proj"})
@@ -272,6 +282,7 @@ def check_adapter_config(config: dict[str, Any], where: str) -> None:
                          "(save_pretrained(path_initial_model_for_weight_conversion=...)) or merge it first")
     _check_numbers(config, where)
     _check_layers(config, where)
+    _check_patterns(config, where)
 
 
 def _check_numbers(config: dict[str, Any], where: str) -> None:
@@ -280,7 +291,12 @@ def _check_numbers(config: dict[str, Any], where: str) -> None:
         """A JSON number (a positive integer when asked), not a bool."""
         if isinstance(value, bool) or not isinstance(value, int | float):
             return False
-        return (type(value) is int and value > 0) if positive_int else math.isfinite(value)
+        if positive_int:
+            return type(value) is int and value > 0
+        try:
+            return math.isfinite(value)
+        except OverflowError:  # an integer past float's range: PEFT's scaling could not hold it
+            return False
 
     if not number(config.get("r"), positive_int=True):
         raise GraftError(f"{where}: r must be a positive integer, got {config.get('r')!r}")
@@ -302,21 +318,50 @@ def _check_numbers(config: dict[str, Any], where: str) -> None:
         raise GraftError(f"{where}: modules_to_save must be a list of names")
 
 
-def pattern_key(patterns: Mapping[str, Any], module: str, where: str) -> str | None:
-    """PEFT's ``get_pattern_key``: the first key that matches the end of ``module`` at a dot, else None."""
+def _check_patterns(config: Mapping[str, Any], where: str) -> None:
+    """Every regular expression of the config compiles for linear-time matching (before any name is matched).
+
+    One line naming the field and the pattern for one Python refuses, and for one that
+    could run unboundedly (backreferences, lookaround...): see :mod:`graftmerge.formats.bounded_regex`.
+    """
+    for field in ("rank_pattern", "alpha_pattern"):
+        for key in config.get(field) or {}:
+            check_pattern(_key_pattern(key), where, f"{field} key {key!r}")
+    for field in ("target_modules", "exclude_modules"):
+        names = config.get(field)
+        if isinstance(names, str) and not (field == "target_modules" and names == "all-linear"):
+            check_pattern(names, where, f"{field} {names!r}")
+    layers = config.get("layers_pattern") or []
+    for pattern in [layers] if isinstance(layers, str) else layers:
+        check_pattern(_layer_pattern(pattern), where, f"layers_pattern {pattern!r}", captures=True)
+
+
+def _key_pattern(key: str) -> str:
+    """PEFT's regex for a rank_pattern / alpha_pattern key: the key ends the name at a dot."""
+    return rf"(.*\.)?({key})$"
+
+
+def _layer_pattern(pattern: str) -> str:
+    """PEFT's regex for a layers_pattern entry: the first ``<pattern>.<index>.`` that starts a name part."""
+    return rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\."
+
+
+def pattern_key(patterns: Mapping[str, Any], module: str, where: str, field: str = "rank_pattern") -> str | None:
+    """PEFT's ``get_pattern_key``: the first key that matches the end of ``module`` at a dot, else None.
+
+    Matched in time linear in the name (:mod:`graftmerge.formats.bounded_regex`).
+    """
     for key in patterns:
-        try:
-            if re.match(rf"(.*\.)?({key})$", module):
-                return key
-        except re.error as error:
-            raise GraftError(f"{where}: pattern {key!r} is not a valid regular expression ({error})") from None
+        if pattern_matches_start(_key_pattern(key), module, where, f"{field} key {key!r}"):
+            return key
     return None
 
 
 def module_rank_alpha(config: Mapping[str, Any], module: str, where: str) -> tuple[int, float]:
     """(r, lora_alpha) of ``module``: the config's, or those of its rank_pattern / alpha_pattern key."""
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    rank_key, alpha_key = pattern_key(ranks, module, where), pattern_key(alphas, module, where)
+    rank_key = pattern_key(ranks, module, where, "rank_pattern")
+    alpha_key = pattern_key(alphas, module, where, "alpha_pattern")
     return (ranks[rank_key] if rank_key is not None else config["r"],
             alphas[alpha_key] if alpha_key is not None else config["lora_alpha"])
 
@@ -332,10 +377,7 @@ def _names_match(names: str | list[str] | None, module: str, where: str, field: 
     if names is None:
         return False
     if isinstance(names, str):
-        try:
-            return re.fullmatch(names, module) is not None
-        except re.error as error:
-            raise GraftError(f"{where}: {field} {names!r} is not a valid regular expression ({error})") from None
+        return pattern_fullmatch(names, module, where, f"{field} {names!r}")
     return module in names or any(module.endswith(f".{name}") for name in names)
 
 
@@ -372,12 +414,9 @@ def layer_index(config: Mapping[str, Any], module: str, where: str) -> int | Non
         found = re.match(r".*?\.[^.]*\.(?P<index>\d+)\.", module)
         return int(found["index"]) if found else None
     for pattern in [patterns] if isinstance(patterns, str) else patterns:
-        try:
-            found = re.match(rf"(?:^|.*?\.){pattern}\.(?P<index>\d+)\.", module)
-        except re.error as error:
-            raise GraftError(f"{where}: layers_pattern {pattern!r} is not a valid regular expression ({error})") from None
-        if found:
-            return int(found["index"])
+        found = pattern_match(_layer_pattern(pattern), module, where, f"layers_pattern {pattern!r}")
+        if found is not None:  # PEFT stops at the first pattern that matches, even one that captures no index
+            return None if found.get("idx") is None else int(found["idx"])
     return None
 
 
@@ -507,12 +546,19 @@ def check_architecture(adapter: LoraAdapter, model_config: Mapping[str, Any], mo
         return
 
     def family(name: str) -> str:
-        """``Qwen3ForCausalLM`` / ``Qwen3Model`` -> ``Qwen3``; ``GPT2LMHeadModel`` -> ``GPT2``."""
+        """``Qwen3ForCausalLM`` / ``Qwen3Model`` -> ``Qwen3``; ``GPT2LMHeadModel`` -> ``GPT2``.
+
+        A name longer than any class name is compared whole: the suffix search is quadratic
+        in the name's length (80,000 characters of ``ForA`` take half a minute).
+        """
+        if len(name) > MAX_CLASS_NAME:
+            return name
         return re.sub(r"(For[A-Z]\w*|LMHeadModel|PreTrainedModel|Model)$", "", name)
 
     if family(recorded) not in {family(str(a)) for a in architectures}:
-        raise GraftError(f"{adapter.label} was trained on a {recorded}, but {model_label} is a "
-                         f"{', '.join(map(str, architectures))}: an adapter for another architecture")
+        shown = ", ".join(map(str, architectures))
+        raise GraftError(f"{adapter.label} was trained on a {recorded[:MAX_CLASS_NAME]}, but {model_label} is a "
+                         f"{shown[:MAX_CLASS_NAME]}: an adapter for another architecture")
 
 
 def bind_adapter(adapter: LoraAdapter, tensors: Mapping[str, TensorInfo], model_config: Mapping[str, Any],
@@ -593,6 +639,15 @@ class _AdapterSource(TensorSource):
             return None
         tensor = self.adapter.read(weight.full_key).float()
         return tensor if rows is None else tensor[rows[0] : rows[1]]
+
+    def pinned(self) -> dict[Path, FileIdentity]:
+        """The model's files, the adapter's weights (as their header was read) and its config (as it is now)."""
+        pinned = dict(self.model.pinned())
+        if self.adapter.layout is not None and self.adapter.layout.identity is not None:
+            pinned[self.adapter.layout.file] = self.adapter.layout.identity
+            with contextlib.suppress(OSError):
+                pinned[self.adapter.path / CONFIG_NAME] = file_identity(os.stat(self.adapter.path / CONFIG_NAME))
+        return pinned
 
     def adapter_stamps(self) -> list[tuple[str, int, int, str]]:
         """The adapter's file stamps, plus one for how it was bound (which targets, transposed or not)."""

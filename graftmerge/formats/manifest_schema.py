@@ -44,6 +44,14 @@ def field(record: Any, key: str, kind: type | tuple[type, ...], where: str, labe
     return value
 
 
+def _finite(value: int | float) -> bool:
+    """A finite float; an integer only within float's range (a 400-digit integer is no weight)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _shown(value: Any) -> str:
     """A short repr for messages (a stranger's value may be huge)."""
     text = repr(value)
@@ -100,14 +108,33 @@ def check_fisher_manifest(manifest: dict[str, Any], where: str) -> dict[str, tup
     if not is_count(clamped):
         raise GraftError(f"{where}: corrupt manifest (`clamped_eigenvalues` is {_shown(clamped)})")
     expected: dict[str, tuple[int, ...]] = {}
+    owners: dict[str, str] = {}
     for key, record in factors.items():
-        expected.update(_factor_shapes(key, record, where))
+        _name_once(expected, owners, _factor_shapes(key, record, where), f"factor {key!r}", where)
     for name, entry in entries.items():
-        expected.update(_entry_shapes(name, entry, model_shapes, factors, where))
+        _name_once(expected, owners, _entry_shapes(name, entry, model_shapes, factors, where), f"weight {name!r}", where)
     unfiled = sorted(set(expected) - set(files))
     if unfiled:
         raise GraftError(f"{where}: corrupt manifest (tensor {unfiled[0]!r} is named but `files` has no shard for it)")
+    check_fisher_naming(entries, factors, model_shapes, where)
     return expected
+
+
+def _name_once(expected: dict[str, tuple[int, ...]], owners: dict[str, str], shapes: Mapping[str, tuple[int, ...]],
+               owner: str, where: str) -> None:
+    """Add ``owner``'s tensor keys to ``expected``; a key another record names already is refused.
+
+    Each stored tensor belongs to one record (a weight's diagonal, or one factor side):
+    two records naming one tensor would make one of them read data of another shape or
+    of another weight (shared KFAC sides share the factor record, never its tensors).
+    """
+    for key, shape in shapes.items():
+        if key in owners:
+            raise GraftError(
+                f"{where}: corrupt manifest ({owner} names tensor {key!r} with shape {list(shape)}, but that tensor "
+                f"belongs to {owners[key]} (shape {list(expected[key])}); each stored tensor belongs to one entry)"
+            )
+        expected[key], owners[key] = shape, owner
 
 
 def _factor_shapes(key: str, record: Any, where: str) -> dict[str, tuple[int, ...]]:
@@ -147,7 +174,11 @@ def _entry_shapes(name: str, entry: Any, model_shapes: Mapping[str, tuple[int, .
         diagonal = field(entry, "diagonal", dict, where, f"{label}.diagonal")
         if set(diagonal) != {"key"}:
             raise GraftError(f"{where}: corrupt manifest (`{label}.diagonal` must hold exactly `key`)")
-        shapes[field(diagonal, "key", str, where, f"{label}.diagonal.key")] = shape
+        key = field(diagonal, "key", str, where, f"{label}.diagonal.key")
+        if key != name:  # the format keys a diagonal by its weight's name: another key is another weight's Fisher
+            raise GraftError(f"{where}: corrupt manifest (the diagonal of weight {name!r} is tensor {_shown(key)}; "
+                             f"a diagonal Fisher is stored under its own weight's name, {name!r})")
+        shapes[key] = shape
     if "kfac" in entry:
         kfac = field(entry, "kfac", dict, where, f"{label}.kfac")
         if set(kfac) != {"rows", "columns"}:
@@ -165,13 +196,58 @@ def _entry_shapes(name: str, entry: Any, model_shapes: Mapping[str, tuple[int, .
     return shapes
 
 
+def check_fisher_naming(entries: Mapping[str, Any], factors: Mapping[str, Any],
+                        model_shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """Each tensor is the one the format names for its weight, and no tensor serves two records.
+
+    The writer's naming rule (``FisherCacheWriter``): a diagonal of weight W is the tensor ``W``;
+    a KFAC side is the factor ``kfac/W/rows`` or ``kfac/W/columns``, named after the first weight W
+    that used it (W's own entry, when the manifest has one, names it on that side), and its tensors are ``<factor>/eigenvalues``
+    and ``<factor>/eigenvectors``. Other weights may name the same factor (a shared, bit-identical
+    side, e.g. q/k/v's input side): that sharing is the format's, and what it vouches for cannot
+    be checked from the manifest. Run after the records' fields are checked.
+    """
+    users: dict[str, str] = {}  # tensor key -> the record that names it
+    for name, entry in entries.items():
+        if "diagonal" in entry and entry["diagonal"]["key"] != name:
+            raise GraftError(f"{where}: the diagonal entry of weight {name!r} names tensor "
+                             f"{entry['diagonal']['key']!r}; a diagonal is stored under its weight's own name "
+                             "(the manifest was edited or is corrupt: re-estimate or re-download the cache)")
+        if "diagonal" in entry:
+            _claim(users, name, f"the diagonal of weight {name!r}", where)
+    for key, record in factors.items():
+        weight, _, side = key[len("kfac/"):].rpartition("/") if key.startswith("kfac/") else ("", "", "")
+        if weight not in model_shapes or side not in ("rows", "columns"):
+            raise GraftError(f"{where}: factor {key!r} is not named kfac/<weight>/rows or kfac/<weight>/columns after "
+                             "a weight of the model (the manifest was edited or is corrupt)")
+        own = entries.get(weight, {}).get("kfac")  # None in a partial pull (`--layers`) that left W out
+        if own is not None and own.get(side) != key:
+            raise GraftError(f"{where}: factor {key!r} is not the {side} side of weight {weight!r}'s own KFAC entry "
+                             "(a factor is named after the first weight that uses it; the manifest was edited or is "
+                             "corrupt)")
+        for field_name in ("eigenvalues", "eigenvectors"):
+            if field_name in record and record[field_name] != f"{key}/{field_name}":
+                raise GraftError(f"{where}: factor {key!r} of weight {weight!r} names tensor {record[field_name]!r} as "
+                                 f"its {field_name}; the format stores them as {key + '/' + field_name!r}")
+            if field_name in record:
+                _claim(users, record[field_name], f"the {field_name} of factor {key!r}", where)
+
+
+def _claim(users: dict[str, str], tensor: str, user: str, where: str) -> None:
+    """Record that ``user`` reads ``tensor``; a tensor read by two records is refused."""
+    if tensor in users:
+        raise GraftError(f"{where}: tensor {tensor!r} is named by {users[tensor]} and by {user}; each stored tensor "
+                         "belongs to one weight or factor (the manifest was edited or is corrupt)")
+    users[tensor] = user
+
+
 # -- delta folders ----------------------------------------------------------------------------
 
 
 def check_delta_manifest(manifest: dict[str, Any], where: str) -> dict[str, tuple[int, ...]]:
     """Every field a reader uses, checked; the delta's tensors (the donor's names) with their shapes."""
     weight = field(manifest, "weight", (int, float), where, "weight")
-    if not math.isfinite(weight):
+    if not _finite(weight):
         raise GraftError(f"{where}: corrupt manifest (`weight` is {weight}, not a finite number)")
     dtype = field(manifest, "dtype", str, where, "dtype")
     if dtype not in DELTA_DTYPES:

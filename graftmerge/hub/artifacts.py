@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -88,6 +89,10 @@ from graftmerge.hub.untrusted import (
 )
 
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+# An ETag the Hub may send for a file: its git blob id or (LFS) sha256, optionally weak and quoted. The
+# client names the blob it writes after it (``blobs/<etag>``): nothing else may reach that path.
+HUB_ETAG = re.compile(r'^(?:W/)?"?(?P<hash>[0-9a-f]{40}|[0-9a-f]{64})"?$')
+ETAG_HEADERS = ("ETag", "X-Linked-Etag")
 KEPT_REMOTE_FILES = (".gitattributes", "README.md")
 
 
@@ -643,8 +648,10 @@ class _SnapshotFiles:
                 f"{reference} is only partly in the local Hugging Face cache ({name} is missing) and the Hub "
                 f"cannot be reached; run `graftmerge {kind.name} pull {reference}` where it is reachable"
             )
-        hf_hub_download(reference.repo_id, name, revision=self.commit, cache_dir=str(self.cache), token=self.token)
+        with checked_hub_answers(self.commit, self.where):
+            hf_hub_download(reference.repo_id, name, revision=self.commit, cache_dir=str(self.cache), token=self.token)
         self.fetched.append(name)
+        check_blob_content(self.checked(name), self.where, name)
         return self.checked(name)
 
     def strip_remote_code(self, files: Sequence[str]) -> dict[str, list[str]]:
@@ -664,11 +671,73 @@ class _SnapshotFiles:
         """Manifest last (from now on the snapshot reads as complete), then the ref for offline use."""
         reference = self.reference
         if not (self.snapshot / self.kind.manifest_name).exists():
-            hf_hub_download(reference.repo_id, self.kind.manifest_name, revision=self.commit,
-                            cache_dir=str(self.cache), token=self.token)
+            with checked_hub_answers(self.commit, self.where):
+                hf_hub_download(reference.repo_id, self.kind.manifest_name, revision=self.commit,
+                                cache_dir=str(self.cache), token=self.token)
+            check_blob_content(self.checked(self.kind.manifest_name), self.where, self.kind.manifest_name)
         self.checked(self.kind.manifest_name)
         if reference.revision_or_main != self.commit:
             _write_ref(self.storage, reference.revision_or_main, self.commit)
+
+
+@contextmanager
+def checked_hub_answers(commit: str, where: str) -> Iterator[None]:
+    """While a file of ``commit`` is fetched in this thread, every HEAD answer is checked before
+    huggingface_hub reads it: an ETag must be a content hash, ``X-Repo-Commit`` the commit asked for.
+
+    huggingface_hub writes ``blobs/<ETag>`` and ``snapshots/<X-Repo-Commit>/…`` as the server
+    says; an ETag ``"/home/you/.bashrc"`` or ``"../../x"`` would be a write outside the cache (a
+    staging folder would not contain it: an absolute or deep ``..`` name leaves any folder). So the
+    very response the client uses is checked, by a hook on its shared session, before the client
+    computes a path; the hook is removed afterwards and ignores other threads' requests.
+    """
+    thread = threading.get_ident()
+
+    def check(response: httpx2.Response) -> None:
+        """Refuse a HEAD answer whose names would become paths, before huggingface_hub reads it."""
+        if threading.get_ident() != thread or response.request.method != "HEAD":
+            return
+        for header in ETAG_HEADERS:
+            value = response.headers.get(header)
+            if value is not None and not HUB_ETAG.fullmatch(value):
+                raise GraftError(f"{where}: the Hub's {header} {value[:80]!r} for {response.request.url.path} is "
+                                 "not a content hash (a hostile or broken server); nothing was written")
+        served = response.headers.get("X-Repo-Commit")
+        if served is not None and served != commit:
+            raise GraftError(f"{where}: the Hub answered commit {served[:80]!r} for a file of commit {commit} (a "
+                             "hostile or broken server); nothing was written")
+
+    hooks = get_session().event_hooks["response"]
+    hooks.append(check)
+    try:
+        yield
+    finally:
+        hooks.remove(check)
+
+
+def check_blob_content(blob: Path, where: str, name: str) -> None:
+    """A blob fetched into the cache holds what its name (the Hub's ETag: sha256 or git blob id) says.
+
+    The bytes may come from wherever the Hub's ``Location`` sent the client; the ETag is the
+    Hub's own word for them. A mismatch removes the blob (the next pull fetches it again).
+    """
+    found = HUB_ETAG.fullmatch(blob.name)
+    if found is None:
+        return  # a plain file of the snapshot (a stripped config), not a blob
+    actual = file_sha256(blob) if len(blob.name) == 64 else _file_git_blob_id(blob)
+    if actual != blob.name:
+        blob.unlink()
+        raise GraftError(f"{where}: {name} as fetched does not match the Hub's hash for it ({blob.name[:12]}…, got "
+                         f"{actual[:12]}…); it was removed, pull again")
+
+
+def _file_git_blob_id(path: Path, block_bytes: int = 1 << 24) -> str:
+    """:func:`git_blob_id` of a file, read a block at a time."""
+    digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(block_bytes), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def fill_folder(staging: Path, sources: Mapping[str, Path], files: Sequence[str], manifest_name: str,

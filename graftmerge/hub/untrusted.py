@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from graftmerge.errors import GraftError
+from graftmerge.formats.json_file import TOO_LONG_INTEGER
 
 # Config fields from which transformers imports code: ``auto_map`` (AutoConfig, AutoModel*,
 # AutoTokenizer, processors; "module.Class" or "other/repo--module.Class") and
@@ -95,6 +96,10 @@ def without_remote_code(raw: bytes, where: str) -> tuple[bytes, list[str]]:
         config = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
         raise GraftError(f"{where} is not valid JSON ({str(error).splitlines()[0]})") from error
+    except ValueError as error:  # json's int(): an integer past Python's int/str conversion limit
+        raise GraftError(f"{where} is not valid JSON for graftmerge ({TOO_LONG_INTEGER})") from error
+    except MemoryError as error:
+        raise GraftError(f"{where} is not valid JSON for graftmerge (too large to parse in memory)") from error
     if not isinstance(config, dict):
         raise GraftError(f"{where} is not a JSON object")
     try:

@@ -32,7 +32,9 @@ from graftmerge.pipeline.graft_plan import (
     plan_from_merge_config,
 )
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit, scored_delta
+from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs, post_architecture
 from graftmerge.pipeline.threshold_pass import (
+    check_masked_total,
     compute_global_threshold,
     forget_thresholds,
     global_threshold,
@@ -75,6 +77,7 @@ def prepare(inputs: GraftInputs, device: str = "cpu", progress: bool = True, scr
     """
     if not inputs.plan.masked:
         return
+    inputs.memo.pop("masked counts", None)  # counted afresh by this merge (``_masked``)
     if inputs.plan.rho_scope == "global":
         rotations = RotationStore(scratch) if scratch is not None else None
         global_threshold(inputs, device=device, progress=progress, rotations=rotations)
@@ -135,9 +138,13 @@ def _masked(inputs: GraftInputs, name: str, delta: torch.Tensor) -> torch.Tensor
     threshold = inputs.memo.get("global_threshold") or global_threshold(
         inputs, device=str(delta.device), progress=False
     )
-    if _kept_mask_removed(inputs, name, delta):
+    inputs.memo["global threshold used"] = threshold
+    masked = _kept_mask_removed(inputs, name, delta)
+    if masked is not None:
+        inputs.memo.setdefault("masked counts", {})[name] = masked
         return delta
     ties_left = threshold.tie_quota.get(name, 0)
+    masked = 0
     kept = inputs.memo.get("rotations")
     # The same row blocks as the threshold pass: identical scores, and a huge
     # embedding never needs a full-size score tensor.
@@ -147,28 +154,31 @@ def _masked(inputs: GraftInputs, name: str, delta: torch.Tensor) -> torch.Tensor
         rotated = kept.load(name, delta.device) if kept is not None and rows is None else None
         scored = scored_delta(inputs, name, part, fisher, rows, rotated)
         mask = mask_from_threshold(scored.scores, threshold.threshold, ties_left)
+        masked += int(mask.sum())
         if ties_left:
             ties_left -= min(ties_left, int((scored.scores == threshold.threshold).sum()))
         remove_masked(scored, mask, fisher)  # in place: ``part`` is a view of ``delta``
         del scored, mask, fisher
+    inputs.memo.setdefault("masked counts", {})[name] = masked  # summed and checked before OUT is published
     return delta
 
 
-def _kept_mask_removed(inputs: GraftInputs, name: str, delta: torch.Tensor) -> bool:
-    """Remove the mask the threshold pass kept for ``name`` from ``delta``, in place; False if it kept none."""
+def _kept_mask_removed(inputs: GraftInputs, name: str, delta: torch.Tensor) -> int | None:
+    """Remove the mask the threshold pass kept for ``name`` from ``delta``, in place: how many directions it
+    masked; None if it kept none."""
     kept = inputs.memo.get("kept_masks")
     positions = kept.masked_positions(name) if kept is not None else None
     if positions is None:
-        return False
+        return None
     if inputs.fisher_kind(name) != "kfac":
         check_delta(inputs, name, delta)  # zeroing a masked coordinate must not hide a NaN or Inf there
         remove_masked_coordinates(delta, positions)
-        return True
+        return positions.numel()
     pairs = kept.load_pairs(name, delta.device)
     if pairs is None:
-        return False
+        return None
     remove_masked_pairs(delta, pairs, positions)
-    return True
+    return positions.numel()
 
 
 def graft_in_memory(inputs: GraftInputs, device: torch.device | str = "cpu",
@@ -203,6 +213,7 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
     try:
         with OutputFolder(out_path, replace=MERGE) as output:
             plan = plan_from_merge_config(merge_config)
+            loaded = check_mergekit_inputs(merge_config, options.allow_crimes, options.trust_remote_code)
             inputs = open_inputs(plan)
             _VALIDATED_PLANS[_without_dtype(plan)] = plan
             inputs.memo["out_dtype"] = dtype_from_name(merge_config.out_dtype)  # the kernel checks the cast too
@@ -210,10 +221,13 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
                 prepare(inputs, device=options.device or "cpu", progress=not options.quiet,
                         scratch=output.scratch / "kfac-rotations")
                 # staging has OUT's basename: mergekit names the model card after it
-                with lora_inputs_in_mergekit(merge_config, inputs) as config:  # LoRA inputs read unmerged
+                with lora_inputs_in_mergekit(merge_config, inputs) as config, post_architecture(loaded):
                     if config is not merge_config and config_source is None:
                         config_source = merge_config.to_yaml()  # the card shows the config as written
-                    return run_merge(config, str(output.staging), options=options, config_source=config_source)
+                    inputs.check_unchanged()  # the pass read what was validated
+                    result = run_merge(config, str(output.staging), options=options, config_source=config_source)
+                _check_before_publish(inputs)
+                return result
             finally:
                 inputs.memo.pop("rotations", None)  # its files go with the staging folder
                 inputs.memo.pop("kept_masks", None)
@@ -222,8 +236,18 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
         raise_for_cli(error, verbose=options.verbosity > 0)
 
 
+def _check_before_publish(inputs: GraftInputs) -> None:
+    """What the merge wrote came from the inputs as validated and scored, masked as the threshold said; else
+    GraftError (OUT is then left as it was)."""
+    threshold = inputs.memo.pop("global threshold used", None)
+    if threshold is not None:
+        check_masked_total(inputs, threshold)
+    inputs.memo.pop("masked counts", None)
+    inputs.check_unchanged()
+
+
 def raise_for_cli(error: GraftError, verbose: bool):
-    """Inside a click command, a one-line ``Error:`` and exit 1; with ``-v``, the traceback."""
+    """Inside a click command, a one-line ``error:`` and exit 2; with ``-v``, the traceback."""
     if not verbose and click.get_current_context(silent=True) is not None:
         raise cli_error(error) from None
     raise error

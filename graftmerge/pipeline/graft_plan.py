@@ -7,10 +7,11 @@ questions: which dtype, which Fisher representation, which tensors are ranked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -22,10 +23,16 @@ from mergekit.config import MergeConfiguration
 from pydantic import ValidationError
 
 from graftmerge.errors import GraftError
-from graftmerge.formats.checkpoint import Checkpoint, check_same_tensors
+from graftmerge.formats.checkpoint import (
+    Checkpoint,
+    FileIdentity,
+    check_same_tensors,
+    check_unchanged,
+)
 from graftmerge.formats.delta_folder import MANIFEST_NAME as DELTA_MANIFEST
 from graftmerge.formats.delta_folder import DeltaFolder, open_delta
 from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache, side_rank
+from graftmerge.formats.json_file import TOO_LONG_INTEGER
 from graftmerge.formats.lora_adapter import is_lora_adapter, open_lora_delta, open_lora_fine_tune
 from graftmerge.hub.artifacts import resolve_artifact
 from graftmerge.hub.kinds import FISHER
@@ -148,11 +155,14 @@ class GraftInputs:
     def open(cls, plan: GraftPlan) -> GraftInputs:
         """Open the plan's model folders (headers only) and its Fisher cache, all checked."""
         plan.check()
+        check_distinct_inputs(plan_folders(plan))
         post = Checkpoint(plan.post, label=f"post model {plan.post}")
         donor = Checkpoint(plan.donor, label=f"donor {plan.donor}") if plan.donor is not None else None
         fine_tunes = [_open_fine_tune(ft) for ft in plan.fine_tunes]
         deltas = [_open_delta_input(d.path, post, donor, plan.post) for d in plan.deltas]
-        return cls.from_sources(plan, post, donor, fine_tunes, deltas=deltas)
+        inputs = cls.from_sources(plan, post, donor, fine_tunes, deltas=deltas)
+        inputs.pinned()  # every file's identity, now that all are open
+        return inputs
 
     @classmethod
     def from_sources(
@@ -175,6 +185,27 @@ class GraftInputs:
             if plan.mask == "kfac" and not fisher.names("kfac"):
                 raise GraftError(f"mask: kfac, but Fisher cache {plan.fisher} has no KFAC entries (kind {fisher.kind})")
         return cls(plan, post, donor, fine_tunes, fisher, deltas=[d.checkpoint for d in deltas])
+
+    def pinned(self, with_post: bool = True) -> dict[Path, FileIdentity]:
+        """Every input file (shards, shard indexes, adapter files, the Fisher cache's files) with the identity
+        it had when it was opened; ``with_post=False`` leaves out the post model's own files.
+
+        Taken once: later calls return the same identities, so ``check_unchanged`` compares
+        with what was validated and scored, not with what is there now.
+        """
+        if "pinned" not in self.memo:
+            post = self.post.pinned()
+            others: dict[Path, FileIdentity] = {}
+            for source in (self.donor, *self.fine_tunes, *self.deltas, self.fisher):
+                if source is not None:
+                    others.update(source.pinned())
+            self.memo["pinned"] = (post, others)
+        post, others = self.memo["pinned"]
+        return {**post, **others} if with_post else dict(others)
+
+    def check_unchanged(self) -> None:
+        """GraftError (one line, naming the file) when any input file changed since it was opened."""
+        check_unchanged(self.pinned())
 
     def fisher_kind(self, name: str) -> str | None:
         """'diagonal', 'kfac' or None (not ranked, Δ applied unmasked) for tensor ``name``."""
@@ -302,6 +333,56 @@ def _check_kfac_sizes(fisher: FisherCache, post: Checkpoint) -> None:
                 )
 
 
+def plan_folders(plan: GraftPlan) -> list[tuple[str, str, str]]:
+    """(folder as the plan spells it, role, folder) of every input of a file-backed plan, post model first.
+
+    A ``BASE+ADAPTER`` donor_ft is its adapter folder (its base is the donor, checked elsewhere).
+    """
+    named = [(plan.post, "base_model", plan.post)]
+    named += [] if plan.donor is None else [(plan.donor, "donor", plan.donor)]
+    for role, terms in (("donor_ft", plan.fine_tunes), ("delta", plan.deltas)):
+        named += [(folder, role, folder) for folder in (term.adapter or term.path for term in terms)]
+    return named
+
+
+def _identities(folder: str) -> list[tuple]:
+    """What makes two folders one input: the folder itself (device, inode), and, when it has any, the
+    set of its files (device, inode, links followed): a copy made of hard links, or two snapshots
+    linking the same HF blobs, is the same input; a copy with one file of its own (an adapter's
+    edited config) is not."""
+    try:
+        found = os.stat(folder)
+        files = frozenset((s.st_dev, s.st_ino) for s in (os.stat(p) for p in Path(folder).iterdir() if p.is_file()))
+    except OSError as error:
+        raise GraftError(f"input folder {folder}: cannot read ({error.strerror})") from error
+    return [("folder", found.st_dev, found.st_ino)] + ([("files", files)] if files else [])
+
+
+def check_distinct_inputs(named: Sequence[tuple[str, str, str]]) -> None:
+    """No folder is two inputs, by real identity (not spelling): (label as written, role, folder) each.
+
+    The one pair allowed is the base_model again as ``role: donor`` (Δ = θft − θpost). A donor_ft
+    that is the donor (or the post model, or another donor_ft) would graft nothing, or the same Δ twice.
+    """
+    seen: dict[tuple, tuple[str, str, str]] = {}
+    for label, role, folder in named:
+        for key in _identities(folder):
+            if key not in seen:
+                seen[key] = (label, role, folder)
+                continue
+            other_label, other_role, other_folder = seen[key]
+            if {role, other_role} == {"base_model", "donor"}:
+                continue
+            real = os.path.realpath(folder)
+            what = (f"are the same folder {real}" if key[0] == "folder" else
+                    f"hold the very same files (links to one copy: {real} and {os.path.realpath(other_folder)})")
+            raise GraftError(
+                f"model {label} ({role}) and model {other_label} ({other_role}) {what}; "
+                "each input is a different folder (only the base_model may appear again, as role donor: that "
+                "masks Δ = θft − θpost)"
+            )
+
+
 def check_role_counts(donors: int, fine_tunes: int, what: str = "model", deltas: int = 0) -> None:
     """At most one donor, at least one donor_ft or delta, a donor with every donor_ft: the same words for configs and state dicts."""
     if donors > 1:
@@ -353,6 +434,9 @@ def _number(value, label: str) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise GraftError(f"graft parameter {label} must be a number, got {value!r}") from None
+    except OverflowError:  # an integer beyond float's range (YAML reads integers of up to 4300 digits)
+        raise GraftError(f"graft parameter {label} must be a finite number, got an integer of "
+                         f"{len(str(abs(value)))} digits") from None
 
 
 def remote_code_fields(folder: str | os.PathLike) -> list[str]:
@@ -442,39 +526,29 @@ def plan_from_merge_config(config) -> GraftPlan:
     if unknown:
         raise GraftError(f"unknown graft parameter(s) {', '.join(unknown)}; known: {', '.join(GLOBAL_PARAMETERS)}")
     donors, fine_tunes, deltas, seen = [], [], [], {str(config.base_model): "base_model"}
+    post = resolve_model_folder(config.base_model.model.path, config.base_model.model.revision)
+    named = [(str(config.base_model), "base_model", post)]  # (as written, role, the folder that is the input)
     for entry in config.models:
-        reference = entry.model
-        label = str(reference)
-        model_parameters = dict(entry.parameters or {})
-        if label in seen and not (seen[label] == "base_model" and model_parameters.get("role") == "donor"):
-            raise GraftError(f"model {label} is listed twice (as {seen[label]} and again); each input appears once "
-                             "(only the base_model may appear again, as role donor: that masks Δ = θft − θpost)")
-        unknown = sorted(set(model_parameters) - set(MODEL_PARAMETERS))
-        if unknown:
-            raise GraftError(f"model {label}: unknown parameter(s) {', '.join(unknown)}; known: role, weight")
-        role = _scalar(model_parameters.get("role"), f"role of {label}")
-        if role is None:
-            raise GraftError(
-                f"model {label} has no role; set `parameters: {{role: donor}}`, `{{role: donor_ft}}` or `{{role: delta}}`"
-            )
-        if role not in CONFIG_ROLES:
-            raise GraftError(f"model {label} has unknown role {role!r}; roles are {', '.join(CONFIG_ROLES)}")
-        seen[label] = f"role {role}"
+        reference, label, model_parameters = entry.model, str(entry.model), dict(entry.parameters or {})
+        role = _entry_role(label, model_parameters, seen)
         _check_lora_role(reference, label, role)
         folder = resolve_model_folder(reference.model.path, reference.model.revision)
         if role == "donor":
             if "weight" in model_parameters:
                 raise GraftError(f"model {label}: `weight` belongs on donor_ft and delta inputs, not on the donor")
             donors.append(folder)
+            named.append((label, role, folder))
         else:
-            (deltas if role == "delta" else fine_tunes).append(_weighted_input(reference, label, role, folder,
-                                                                               model_parameters))
+            term = _weighted_input(reference, label, role, folder, model_parameters)
+            (deltas if role == "delta" else fine_tunes).append(term)
+            named.append((label, role, term.adapter or term.path))
+    check_distinct_inputs(named)
     donors = _with_implied_donor(donors, fine_tunes, config.base_model.model)
     check_role_counts(len(donors), len(fine_tunes), deltas=len(deltas))
     fisher = parameters.get("fisher")
     fisher = None if fisher is None else str(_scalar(fisher, "fisher"))
     plan = GraftPlan(
-        post=resolve_model_folder(config.base_model.model.path, config.base_model.model.revision),
+        post=post,
         donor=donors[0] if donors else None,
         fine_tunes=tuple(fine_tunes),
         deltas=tuple(deltas),
@@ -487,6 +561,25 @@ def plan_from_merge_config(config) -> GraftPlan:
     )
     plan.check()
     return check_trusted_code(config, plan)
+
+
+def _entry_role(label: str, model_parameters: dict, seen: dict[str, str]) -> str:
+    """The role of one ``models:`` entry, checked (and recorded in ``seen``, by the label as written)."""
+    if label in seen and not (seen[label] == "base_model" and model_parameters.get("role") == "donor"):
+        raise GraftError(f"model {label} is listed twice (as {seen[label]} and again); each input appears once "
+                         "(only the base_model may appear again, as role donor: that masks Δ = θft − θpost)")
+    unknown = sorted(set(model_parameters) - set(MODEL_PARAMETERS))
+    if unknown:
+        raise GraftError(f"model {label}: unknown parameter(s) {', '.join(unknown)}; known: role, weight")
+    role = _scalar(model_parameters.get("role"), f"role of {label}")
+    if role is None:
+        raise GraftError(
+            f"model {label} has no role; set `parameters: {{role: donor}}`, `{{role: donor_ft}}` or `{{role: delta}}`"
+        )
+    if role not in CONFIG_ROLES:
+        raise GraftError(f"model {label} has unknown role {role!r}; roles are {', '.join(CONFIG_ROLES)}")
+    seen[label] = f"role {role}"
+    return role
 
 
 def _check_lora_role(reference, label: str, role: str) -> None:
@@ -530,20 +623,40 @@ def _with_implied_donor(donors: list[str], fine_tunes: list[FineTune], post) -> 
     return donors
 
 
-def read_merge_config(config_file: str):
-    """(mergekit ``MergeConfiguration``, YAML text) of a config file; GraftError when unreadable."""
+@contextlib.contextmanager
+def config_file_errors(config_file: str) -> Iterator[None]:
+    """Reading or parsing ``config_file`` inside the block: any failure becomes one GraftError line naming it."""
     try:
-        with open(config_file, encoding="utf-8") as handle:
-            source = handle.read()
-        config = MergeConfiguration.model_validate(yaml.safe_load(source))
+        yield
     except OSError as error:
         raise GraftError(f"{config_file}: cannot read ({error.strerror})") from error
     except yaml.YAMLError as error:
         raise GraftError(f"{config_file}: not valid YAML ({str(error).splitlines()[0]})") from error
+    except (RecursionError, MemoryError) as error:
+        raise GraftError(f"{config_file}: not a valid merge config (nested too deeply or too large to read)") from error
     except (ValidationError, RuntimeError) as error:
         first = str(error).strip().splitlines()
         raise GraftError(f"{config_file}: not a valid merge config ({' '.join(first[:3])})") from error
+    except UnicodeDecodeError as error:
+        raise GraftError(f"{config_file}: not a valid merge config (not UTF-8 text)") from error
+    except ValueError as error:  # yaml's int(): an integer past Python's int/str conversion limit
+        raise GraftError(f"{config_file}: not a valid merge config ({TOO_LONG_INTEGER})") from error
+
+
+def read_merge_config(config_file: str):
+    """(mergekit ``MergeConfiguration``, YAML text) of a config file; GraftError when unreadable."""
+    with config_file_errors(config_file):
+        with open(config_file, encoding="utf-8") as handle:
+            source = handle.read()
+        config = MergeConfiguration.model_validate(yaml.safe_load(source))
     return config, source
+
+
+def check_yaml_documents(config_file: str) -> None:
+    """``config_file`` (a ``mergekit-multi`` file: several YAML documents) parses; GraftError naming it otherwise."""
+    with config_file_errors(config_file), open(config_file, encoding="utf-8") as handle:
+        for _ in yaml.safe_load_all(handle.read()):
+            pass
 
 
 def read_graft_config(config_file: str):

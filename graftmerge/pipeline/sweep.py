@@ -62,6 +62,7 @@ from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.pipeline.graft import graft_opened
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
+from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs
 from graftmerge.pipeline.plan import grid_views, score_pass
 
 LOG = logging.getLogger(__name__)
@@ -259,6 +260,7 @@ def check_sweepable(config, points: list[GridPoint], plan: GraftPlan) -> dict[Gr
 def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out_dir: str, options) -> list[Path]:
     """Write one model folder per grid point under ``out_dir`` (all or nothing: see ``output_folder``)."""
     plans = check_sweepable(config, points, plan)
+    loaded = check_mergekit_inputs(config, options.allow_crimes, options.trust_remote_code)
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GraftError(f"output {out_dir} already exists and is not an empty folder; choose a new one")
@@ -266,7 +268,7 @@ def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out
         masked = [p for p in plans.values() if p.masked]
         inputs = GraftInputs.open(masked[0] if masked else plans[points[0]])
         config = loras.enter_context(lora_inputs_in_mergekit(config, inputs))  # LoRA inputs read unmerged
-        arch_info = get_architecture_info(config, options)
+        arch_info = loaded[0].arch_info if all(i.arch_info for i in loaded) else get_architecture_info(config, options)
         if getattr(arch_info, "post_fill_parameters", False):
             raise GraftError("sweep does not support architectures whose parameters mergekit fills in after merging")
         LoaderCache().setup(options=options)
@@ -274,8 +276,10 @@ def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out
         freed = FreedMemory()
         views = _grid_views(inputs, plans, output.scratch / "kfac-rotations", device, freed,
                             progress=not options.quiet)
+        inputs.check_unchanged()  # the pass read what was validated
         _write_grid(config, source, views, output.staging, output.scratch / "spill", arch_info, options, device,
                     freed)
+        inputs.check_unchanged()  # and so did the merge: else nothing is published
     return [output.out / point.folder for point in points]
 
 

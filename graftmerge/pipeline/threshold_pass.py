@@ -4,7 +4,9 @@ Each merge call sees one tensor, but a global top-ρ mask depends on every
 tensor: this pass reads the deltas and the Fisher once before the merge
 (see ``global_threshold`` for the rare second look), and stores the result keyed by a
 fingerprint of the inputs, the cache and the parameters, so a second run with
-the same inputs skips it.
+the same inputs skips it. A stored threshold is trusted only as far as it is checked:
+its record's name is keyed by the user's secret (:mod:`graftmerge.formats.user_cache`),
+its k and D must be this plan's, and the merge counts what it masks (``check_masked_total``).
 """
 
 from __future__ import annotations
@@ -22,18 +24,25 @@ import torch
 from tqdm import tqdm
 
 from graftmerge import __version__
+from graftmerge.errors import GraftError
 from graftmerge.formats.output_folder import stage_reached
 from graftmerge.formats.rotation_store import RotationStore
-from graftmerge.formats.user_cache import cache_dir
+from graftmerge.formats.user_cache import (
+    read_record,
+    record_name,
+    record_path,
+    remove_record,
+    write_record,
+)
 from graftmerge.math.global_threshold import GlobalThreshold, ThresholdSearch
 from graftmerge.math.projection import TensorFisher, candidate_pairs
 from graftmerge.math.scores import diagonal_scores
-from graftmerge.math.selection import masked_count
+from graftmerge.math.selection import SMALLEST_SCORE, masked_count
 from graftmerge.pipeline.finite_values import check_scores
 from graftmerge.pipeline.graft_plan import GraftInputs
 from graftmerge.pipeline.lora_inputs import scored_delta
 
-_MEMORY: dict[str, GlobalThreshold] = {}
+_MEMORY: dict[str, tuple[GlobalThreshold, str | None]] = {}  # by key: the threshold, its record's name
 
 
 def forget_thresholds() -> None:
@@ -67,8 +76,10 @@ def threshold_key(inputs: GraftInputs, device: str) -> str:
 
     A shard's stamp is its path, size and mtime plus a sha256 of its safetensors header
     and of three 4 KiB windows of every tensor (``Checkpoint.content_stamps``); the
-    Fisher manifest is hashed whole. An in-place edit outside the sampled windows that
-    keeps size and mtime is not seen: ``--no-threshold-cache`` for files edited in place.
+    Fisher manifest is hashed whole. Every file Δ and F are read from adds its identity
+    as pinned when opened (device, inode, size, mtime, ctime: ``GraftInputs.pinned``), so
+    a file edited in place, even outside the sampled windows with its mtime put back,
+    or replaced by another, is a new key.
 
     Computed once per opened inputs and device (the merge kernel asks per tensor).
     """
@@ -89,6 +100,8 @@ def _threshold_key(inputs: GraftInputs, device: str) -> str:
         "deltas": [d.content_stamps() for d in inputs.deltas],
         "fisher": inputs.fisher.content_stamps(),
         "device": torch.device(device).type,
+        # Every file Δ and F are read from, as pinned when opened: a changed file (new inode or ctime) is a new key.
+        "files": sorted([str(file), *identity] for file, identity in inputs.pinned(with_post=False).items()),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -109,23 +122,97 @@ def global_threshold(
         return inputs.memo[("uncached threshold", device)]
     key = threshold_key(inputs, device)
     if key in _MEMORY:
-        return _MEMORY[key]
-    file = cache_dir() / "thresholds" / f"{key}.json"
-    if file.exists():
-        try:
-            result = GlobalThreshold.from_json(json.loads(file.read_text()))
-        except (json.JSONDecodeError, KeyError, ValueError):
-            result = None  # a damaged cache entry is recomputed
-        if result is not None:
-            _MEMORY[key] = result
-            return result
-    result = compute_global_threshold(inputs, device=device, progress=progress, rotations=rotations)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(result.to_json()))
-    os.replace(tmp, file)
-    _MEMORY[key] = result
+        result, inputs.memo["threshold record"] = _MEMORY[key]
+        return result
+    name = inputs.memo["threshold record"] = record_name(THRESHOLDS, key)
+    result = _cached_threshold(inputs, name) if name is not None else None
+    if result is None:
+        result = compute_global_threshold(inputs, device=device, progress=progress, rotations=rotations)
+        if name is not None:
+            write_record(THRESHOLDS, f"{name}.json", json.dumps(result.to_json()).encode())
+    _MEMORY[key] = (result, name)
     return result
+
+
+THRESHOLDS = "thresholds"  # the user cache's folder of thresholds, one record per key
+
+
+def _cached_threshold(inputs: GraftInputs, name: str) -> GlobalThreshold | None:
+    """The threshold recorded under ``name`` when it is sound and fits this plan; else None (and the entry removed).
+
+    Sound: JSON of the right shape and types (``_parse_threshold``). Fits: its ``total``
+    is this plan's D, from the headers, and its ``k`` is ⌈ρ·D⌉; its threshold, positives
+    and tie quotas are consistent with each other (``expected_masked``). The merge then
+    counts what the threshold masks and checks it (``check_masked_total``).
+    """
+    raw = read_record(THRESHOLDS, f"{name}.json")
+    if raw is None:
+        return None
+    result = _parse_threshold(raw)
+    names = inputs.ranked_names()
+    total = sum(inputs.direction_count(n) for n in names)
+    if result is None or result.total != total or result.k != masked_count(inputs.plan.rho, total) or (
+            not set(result.tie_quota) <= set(names) or expected_masked(result) is None):
+        remove_record(THRESHOLDS, f"{name}.json")  # malformed, or not this plan's: recomputed and rewritten
+        return None
+    return result
+
+
+def _parse_threshold(raw: bytes) -> GlobalThreshold | None:
+    """A recorded threshold, when the bytes are JSON of exactly its shape and types; else None (never raises)."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError, MemoryError):  # bad JSON, bad UTF-8, integers past the digit limit
+        return None
+    count = lambda value: type(value) is int and 0 <= value < 1 << 62  # noqa: E731
+    if not isinstance(data, dict) or set(data) != {"threshold", "tie_quota", "k", "total", "positives"}:
+        return None
+    threshold, quota = data["threshold"], data["tie_quota"]
+    if type(threshold) not in (int, float) or not threshold >= 0 or not isinstance(quota, dict):
+        return None
+    if not all(count(data[field]) for field in ("k", "total", "positives")) or not all(
+            isinstance(n, str) and count(v) for n, v in quota.items()):
+        return None
+    return GlobalThreshold(threshold=float(threshold), tie_quota=dict(quota), k=data["k"], total=data["total"],
+                           positives=data["positives"])
+
+
+def expected_masked(threshold: GlobalThreshold) -> int | None:
+    """How many directions ``threshold`` masks over the whole plan, as the pass that found it would; None if incoherent.
+
+    k = 0 masks nothing (threshold +inf); fewer positive scores than k masks every one
+    (threshold 0); otherwise exactly k, the ties at a positive threshold shared out by quota.
+    """
+    t, k, positives = threshold, threshold.k, threshold.positives
+    if positives > t.total or sum(t.tie_quota.values()) > k:
+        return None
+    if k == 0:
+        return 0 if t.threshold == float("inf") else None
+    if positives <= k:
+        return positives if t.threshold < SMALLEST_SCORE else None
+    return k if SMALLEST_SCORE <= t.threshold < float("inf") else None
+
+
+def check_masked_total(inputs: GraftInputs, threshold: GlobalThreshold) -> None:
+    """After the merge: the directions it masked, summed over tensors, are what ``threshold`` claims to mask.
+
+    A mismatch means the threshold does not summarise these inputs (a planted or stale
+    cache entry): the entry is removed and the run fails in one line, before OUT is published.
+    """
+    counted = inputs.memo.get("masked counts", {})
+    if set(counted) != set(inputs.ranked_names()):
+        return  # not every ranked tensor went through the kernel (nothing to compare the sum with)
+    masked, expected = sum(counted.values()), expected_masked(threshold)
+    if masked == expected:
+        return
+    name = inputs.memo.get("threshold record")
+    _MEMORY.clear()
+    where = "the global threshold"
+    if name is not None:
+        remove_record(THRESHOLDS, f"{name}.json")
+        where = f"the cached global threshold {record_path(THRESHOLDS, name + '.json')}"
+    raise GraftError(f"{where} masked {masked} directions where its pass masks {expected} (k = {threshold.k} of "
+                     f"D = {threshold.total}): it does not match these inputs and was removed; run again")
 
 
 def compute_global_threshold(
