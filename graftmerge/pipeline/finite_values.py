@@ -12,9 +12,10 @@ each (:func:`graftmerge.math.finite.fits`):
   back-rotation or θpost + Δ' shows up there (a diagonal mask could zero a non-finite
   coordinate, so Δ under a diagonal mask is checked before it is masked).
 
-Only when a check fails is the culprit looked for (:func:`nonfinite_error`): each input's
-tensor is read again and checked whole, then each term of Δ, then the rotation, and the
-error names the tensor and the input it came from.
+Only when a check fails is the culprit looked for (:func:`nonfinite_error`): an input file
+changed under the merge (its pinned identity) is named first; else each input's tensor is
+read again and checked whole, then each term of Δ, then the rotation, and the error names
+the tensor and the input it came from.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def nonfinite_error(inputs: GraftInputs, name: str, rows: tuple[int, int] | None
 
     ``stage``: what failed its check, ``scores``, ``delta`` or ``result`` (the kernel's output).
     """
+    inputs.check_unchanged()  # a file rewritten under the merge is the cause, whatever it now holds
     where = f"tensor {name!r}" + (f" (rows {rows[0]}:{rows[1]})" if rows is not None else "")
     dtype = inputs.working_dtype(name)
     sources = _sources(inputs, with_post=stage == "result")
