@@ -162,7 +162,7 @@ def _configs(m: dict[str, Path], h: dict[str, Path], diag: Path) -> dict[str, tu
         "config.json huge int": (plain(ft=h["config_huge"]), "integer of more than 4300 digits", h["config_huge"]),
         "diagonal names another weight": (plain(rho=0.1, fisher=h["fisher_foreign_diag"]),
                                           "model.layers.0.input_layernorm.weight", h["fisher_foreign_diag"]),
-        "factor sides share a tensor": (plain(rho=0.1, fisher=h["fisher_shared_tensor"]), "belongs to factor",
+        "factor sides share a tensor": (plain(rho=0.1, fisher=h["fisher_shared_tensor"]), "names tensor",
                                         h["fisher_shared_tensor"]),
         "configless delta": (delta_config(m["post"], h["delta_configless"]), "has no config.json",
                              h["delta_configless"]),

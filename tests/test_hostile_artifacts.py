@@ -325,7 +325,7 @@ FISHER_CASES = {
     "diagonal key not filed": Case("fisher", manifest_edit(lambda m: m["files"].pop(NORM)),
                                    f"tensor {NORM!r} is named but `files` has no shard for it"),
     "diagonal keyed by another name": Case("fisher", manifest_edit(lambda m: m["entries"][NORM]["diagonal"].update(
-        key="nope")), "is tensor 'nope'; a diagonal Fisher is stored under its own weight's name"),
+        key="nope")), "names tensor 'nope'; a diagonal is stored under its weight's own name"),
     "files names a path outside": Case("fisher", manifest_edit(lambda m: m["files"].update({NORM: "../x.safetensors"})),
                                        "'../x.safetensors', not a .safetensors file inside the cache"),
     "factor rank above size": Case("fisher", manifest_edit(lambda m: first_factor(m).update(rank=10**6)), "rank 1000000"),

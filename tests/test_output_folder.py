@@ -70,6 +70,13 @@ def beside(out: Path) -> list[str]:
     return sorted(p.name for p in out.parent.iterdir() if p.name != out.name)
 
 
+def genuine_old_copy(folder: Path, old: Path) -> Path:
+    """``folder`` renamed to ``old`` as publish renames OUT: its marker written beside first."""
+    output_folder.write_old_marker(folder, old)
+    folder.rename(old)
+    return old
+
+
 def dead_pid() -> int:
     process = subprocess.Popen(["true"])
     process.wait()
@@ -146,7 +153,7 @@ def test_a_run_killed_between_the_renames_is_undone_by_the_next_run(tmp_path):
     """OUT missing, its old copy beside it: the next run on OUT puts it back before anything else."""
     out = tmp_path / "out"
     pid = dead_pid()
-    write_folder(tmp_path / f".out.old-{pid}-abc123_x", {"model.safetensors": "old"})
+    genuine_old_copy(write_folder(out, {"model.safetensors": "old"}), tmp_path / f".out.old-{pid}-abc123_x")
     write_folder(tmp_path / f".out.partial-{pid}-abc123_x" / "out", {"model.safetensors": "new"})
     with pytest.raises(GraftError, match="already exists; choose a new folder"):
         OutputFolder(out, replace=NEW).open()  # restored first, so OUT exists again
@@ -223,11 +230,14 @@ def test_leftovers_are_removed_only_when_their_process_is_gone(tmp_path):
                 f".other.partial-{dead}-abc", f".out.partial-{dead}-a.b"]
         removed = [f".out.partial-{dead}-abc", f".out.old-{dead}-def"]  # OUT exists: the old copy is stale
         for name in kept + removed:
-            write_folder(tmp_path / name, {"x.safetensors": name})
+            if name.startswith(".out.old-"):  # as graftmerge makes them: with their marker
+                genuine_old_copy(write_folder(tmp_path / "tmp", {"x.safetensors": name}), tmp_path / name)
+            else:
+                write_folder(tmp_path / name, {"x.safetensors": name})
         with OutputFolder(out, replace=OVERWRITE):
             assert sorted(n for n in kept + removed if (tmp_path / n).exists()) == sorted(kept)
         assert contents(out) == {}  # nothing written: OUT is now empty, as the block said
-        assert beside(out) == sorted(kept)
+        assert beside(out) == sorted(kept + [f".out.old-{live.pid}-abc.marker"])
     finally:
         kill(live)
 
@@ -335,7 +345,7 @@ def test_mergekit_yaml_killed_at_any_stage_leaves_the_old_or_the_new_model(
         assert_same_model(out, references["new"])
     elif stage == "publish-aside":  # the instant between the two renames: no OUT, the old one intact beside it
         assert not out.exists()
-        [old_copy] = out.parent.glob(f".out.old-{process.pid}-*")
+        [old_copy] = [p for p in out.parent.glob(f".out.old-{process.pid}-*") if p.is_dir()]  # and its marker
         assert_unchanged(old_copy, references["old"])
         broken = tmp_path / "broken.yml"
         broken.write_text(new_config(tied_models, tmp_path / "no-such-cache"))

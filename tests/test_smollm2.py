@@ -192,7 +192,7 @@ def bad_input(kind: str, root: Path) -> tuple[Path, Path, str]:
         return write_gguf(root / "ok.gguf", "llama", embedding), out, "already exists; pass --overwrite"
     if kind == "output holds the input (--overwrite)":
         out.mkdir()
-        return write_gguf(out / "ok.gguf", "llama", embedding), out, "choose an output folder outside it"
+        return write_gguf(out / "ok.gguf", "llama", embedding), out, "contains the GGUF file"
     raise AssertionError(kind)
 
 

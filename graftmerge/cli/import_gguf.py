@@ -40,7 +40,9 @@ def import_gguf(file: Path, output: Path, dtype: str, max_shard_size: str, overw
     # lazy: both only when the command runs, so --help stays fast; the header check needs only gguf-py and
     # numpy, so a bad file is refused in a fraction of a second, before torch and transformers load
     from graftmerge.formats.gguf_header import open_gguf
+    from graftmerge.formats.output_folder import check_not_inputs
 
+    check_not_inputs(output, [("GGUF file", file)])  # OUTPUT may not hold (or be) the GGUF
     open_gguf(file)
     from graftmerge.formats.gguf_import import import_gguf as run_import
 

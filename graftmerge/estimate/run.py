@@ -171,7 +171,9 @@ def _output_folder(settings: EstimateSettings, ranks: distributed.Ranks):
     if not ranks.is_main:
         return contextlib.nullcontext()
     return OutputFolder(settings.output, replace=OVERWRITE if settings.overwrite else NEW,
-                        hint="pass --overwrite to replace it")
+                        hint="pass --overwrite to replace it", inputs=[
+                            ("model", settings.model), ("rollouts file", settings.rollouts),
+                            ("prompts file", settings.prompts)])
 
 
 def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch,

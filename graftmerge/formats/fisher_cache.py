@@ -40,7 +40,7 @@ from graftmerge.formats.checkpoint import (
 from graftmerge.formats.file_hash import file_sha256
 from graftmerge.formats.json_file import load_json_file
 from graftmerge.formats.manifest_schema import check_fisher_manifest
-from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
+from graftmerge.formats.output_folder import NEW, OVERWRITE, Inputs, OutputFolder, check_not_inputs
 from graftmerge.formats.user_cache import PassedChecks
 from graftmerge.math.kfac import KfacFactors
 
@@ -88,8 +88,11 @@ class FisherCacheWriter:
         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
         overwrite: bool = False,
         output: OutputFolder | None = None,
+        inputs: Inputs = (),
     ):
         self.path = Path(path)
+        inputs = [*inputs, *([] if isinstance(model, dict) else [("post model", model)])]
+        check_not_inputs(self.path, inputs)  # OUT is no input: checked before anything else
         if self.path.exists() and not overwrite:
             raise GraftError(f"{self.path} already exists; pass overwrite=True (or --overwrite) to replace it")
         if isinstance(model, dict):  # another cache's ``model`` record (``fisher compress``)
@@ -108,7 +111,8 @@ class FisherCacheWriter:
         self.counts = dict(counts or {})
         self._overwrite = overwrite
         self._output = output or OutputFolder(self.path, replace=OVERWRITE if overwrite else NEW,
-                                              hint="pass overwrite=True (or --overwrite) to replace it")
+                                              hint="pass overwrite=True (or --overwrite) to replace it",
+                                              inputs=inputs)
         self._max_shard_bytes = max_shard_bytes
         self._entries: dict[str, dict[str, Any]] = {}
         self._factors: dict[str, dict[str, Any]] = {}

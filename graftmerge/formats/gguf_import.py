@@ -32,7 +32,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.gguf_header import GgufLayout, check_model_tensors, open_gguf
-from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
+from graftmerge.formats.output_folder import NEW, OVERWRITE, Inputs, OutputFolder, check_not_inputs
 from graftmerge.formats.transformers_logging import quiet_transformers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -196,18 +196,17 @@ def import_gguf(
     """
     if dtype not in DTYPES:
         raise GraftError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    header = read_gguf_header(file)
     out = Path(output)
+    check_not_inputs(out, [("GGUF file", file)])  # before anything else
+    header = read_gguf_header(file)
     if out.exists() and not overwrite:
         raise GraftError(f"{out} already exists; pass --overwrite to replace it")
     if out.exists() and not out.is_dir():
         raise GraftError(f"{out} exists and is not a folder; remove it or choose another output")
-    if out.resolve() in header.path.resolve().parents:
-        raise GraftError(f"{out} holds the input {header.path}; choose an output folder outside it")
     config = causal_lm_config(header)
     check_dequantizable(header)
     check_implied_model(header, config)
-    with staged_folder(out, overwrite=overwrite) as staging:  # out locked before the slow dequantization
+    with staged_folder(out, overwrite=overwrite, inputs=[("GGUF file", header.path)]) as staging:  # out locked before the slow dequantization
         model = _load_model(header, DTYPES[dtype])
         tokenizer = _load_tokenizer(header) if header.has_tokenizer else None
         try:
@@ -255,13 +254,14 @@ def _load_tokenizer(header: GgufHeader) -> Any:
 
 
 @contextlib.contextmanager
-def staged_folder(out: Path, overwrite: bool = True) -> Iterator[Path]:
+def staged_folder(out: Path, overwrite: bool = True, inputs: Inputs = ()) -> Iterator[Path]:
     """A hidden sibling of ``out`` to write into; it replaces ``out`` whole only if the block succeeds.
 
     ``out`` is locked meanwhile; an existing one is replaced only with ``overwrite``, and a
     symbolic link at ``out`` is refused, never followed (:mod:`graftmerge.formats.output_folder`).
     """
-    with OutputFolder(out, replace=OVERWRITE if overwrite else NEW, hint="pass --overwrite to replace it") as output:
+    with OutputFolder(out, replace=OVERWRITE if overwrite else NEW, hint="pass --overwrite to replace it",
+                      inputs=inputs) as output:
         yield output.staging
 
 

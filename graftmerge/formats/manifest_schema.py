@@ -107,16 +107,17 @@ def check_fisher_manifest(manifest: dict[str, Any], where: str) -> dict[str, tup
     clamped = manifest.get("clamped_eigenvalues", 0)
     if not is_count(clamped):
         raise GraftError(f"{where}: corrupt manifest (`clamped_eigenvalues` is {_shown(clamped)})")
+    records = {f"factor {key!r}": _factor_shapes(key, record, where) for key, record in factors.items()}
+    records.update({f"weight {name!r}": _entry_shapes(name, entry, model_shapes, factors, where)
+                    for name, entry in entries.items()})
+    check_fisher_naming(entries, factors, model_shapes, where)  # the fields are checked: now their names
     expected: dict[str, tuple[int, ...]] = {}
     owners: dict[str, str] = {}
-    for key, record in factors.items():
-        _name_once(expected, owners, _factor_shapes(key, record, where), f"factor {key!r}", where)
-    for name, entry in entries.items():
-        _name_once(expected, owners, _entry_shapes(name, entry, model_shapes, factors, where), f"weight {name!r}", where)
+    for owner, shapes in records.items():
+        _name_once(expected, owners, shapes, owner, where)
     unfiled = sorted(set(expected) - set(files))
     if unfiled:
         raise GraftError(f"{where}: corrupt manifest (tensor {unfiled[0]!r} is named but `files` has no shard for it)")
-    check_fisher_naming(entries, factors, model_shapes, where)
     return expected
 
 
@@ -175,10 +176,7 @@ def _entry_shapes(name: str, entry: Any, model_shapes: Mapping[str, tuple[int, .
         if set(diagonal) != {"key"}:
             raise GraftError(f"{where}: corrupt manifest (`{label}.diagonal` must hold exactly `key`)")
         key = field(diagonal, "key", str, where, f"{label}.diagonal.key")
-        if key != name:  # the format keys a diagonal by its weight's name: another key is another weight's Fisher
-            raise GraftError(f"{where}: corrupt manifest (the diagonal of weight {name!r} is tensor {_shown(key)}; "
-                             f"a diagonal Fisher is stored under its own weight's name, {name!r})")
-        shapes[key] = shape
+        shapes[key] = shape  # the key must be the weight's own name: check_fisher_naming
     if "kfac" in entry:
         kfac = field(entry, "kfac", dict, where, f"{label}.kfac")
         if set(kfac) != {"rows", "columns"}:

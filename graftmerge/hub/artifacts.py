@@ -70,7 +70,7 @@ from tqdm.auto import tqdm
 from graftmerge.errors import GraftError
 from graftmerge.formats.file_hash import file_sha256
 from graftmerge.formats.json_file import load_json_file, parse_json_bytes
-from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
+from graftmerge.formats.output_folder import NEW, OVERWRITE, Inputs, OutputFolder, check_not_inputs
 from graftmerge.hub.references import (
     HubReference,
     check_revision,
@@ -478,10 +478,14 @@ def pull_artifact(
     """
     if isinstance(reference, str):
         reference = parse_hub_reference(reference)
+    inputs = [(f"Hugging Face cache folder of {reference.repo_id}", _storage_folder(_cache_dir(cache_dir),
+                                                                                    reference.repo_id))]
+    if output is not None:
+        check_not_inputs(output, inputs)  # -o may not be (in) the cache folder the pull reads
     _check_pull(kind, output, layers, overwrite)
     if output is None:
         return _pull(kind, reference, None, layers, token, cache_dir, progress)
-    with _output_folder(output, overwrite) as staged:  # locked before anything is fetched
+    with _output_folder(output, overwrite, inputs) as staged:  # locked before anything is fetched
         return _pull(kind, reference, staged, layers, token, cache_dir, progress)
 
 
@@ -508,9 +512,10 @@ def pull_first_kind(kinds: Sequence[ArtifactKind], reference: HubReference | str
     raise next(error for error in errors if not isinstance(error, NotThisKind))
 
 
-def _output_folder(output: str | os.PathLike, overwrite: bool) -> OutputFolder:
-    """``-o`` as an output folder: replaced whole, only with ``--overwrite``."""
-    return OutputFolder(output, replace=OVERWRITE if overwrite else NEW, hint="pass --overwrite to replace it")
+def _output_folder(output: str | os.PathLike, overwrite: bool, inputs: Inputs = ()) -> OutputFolder:
+    """``-o`` as an output folder: replaced whole, only with ``--overwrite``; none of ``inputs``."""
+    return OutputFolder(output, replace=OVERWRITE if overwrite else NEW, hint="pass --overwrite to replace it",
+                        inputs=inputs)
 
 
 def _pull(kind: ArtifactKind, reference: HubReference, staged: OutputFolder | None, layers: Sequence[str],

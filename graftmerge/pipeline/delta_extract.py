@@ -51,7 +51,7 @@ from graftmerge.formats.lora_writer import (
     model_layers,
     write_lora_adapter,
 )
-from graftmerge.formats.output_folder import NEW, OutputFolder
+from graftmerge.formats.output_folder import NEW, OutputFolder, check_not_inputs
 from graftmerge.hub.untrusted import read_json_bytes, without_remote_code
 from graftmerge.math.delta_stats import l2_norm
 from graftmerge.math.donor_delta import donor_delta
@@ -104,12 +104,14 @@ def extract_delta(
     ``shard_bytes``: largest shard (``"500MB"`` or bytes); default ``DEFAULT_SHARD_BYTES``.
     """
     output = Path(output)
+    check_not_inputs(output, [("donor", donor), ("donor_ft", donor_ft)])  # before anything else
     shard_bytes = _checked_options(output, weight, dtype, shard_bytes)
     donor_checkpoint, ft_checkpoint = _open_checkpoints(donor, donor_ft)
     manifest = _manifest(donor_checkpoint, ft_checkpoint, weight, dtype)
     itemsize = SAFETENSORS_DTYPES["F32" if dtype == "float32" else "BF16"][1]
     shards = plan_shards({n: i.numel * itemsize for n, i in donor_checkpoint.tensors.items()}, shard_bytes)
-    folder = OutputFolder(output, replace=NEW, hint="choose a new folder (extract never overwrites)").open()
+    folder = OutputFolder(output, replace=NEW, hint="choose a new folder (extract never overwrites)",
+                          inputs=[("donor", donor), ("donor_ft", donor_ft)]).open()
     staging = folder.staging
     try:
         weight_map, total = _write_shards(donor_checkpoint, ft_checkpoint, shards, staging, weight,
@@ -253,6 +255,7 @@ def extract_lora(
     ``embeddings=False`` leaves embedding layers out (their Δ is reported as dropped).
     """
     output = Path(output)
+    check_not_inputs(output, [("donor", donor), ("donor_ft", donor_ft)])  # before anything else
     rank = parse_rank(rank)
     _checked_options(output, weight, dtype, None)
     donor_checkpoint, ft_checkpoint = _open_checkpoints(donor, donor_ft)
@@ -260,7 +263,8 @@ def extract_lora(
     manifest = {**_manifest(donor_checkpoint, ft_checkpoint, weight, dtype), "format": LORA_FORMAT_NAME,
                 "format_version": LORA_FORMAT_VERSION, "formula": "weight * (donor_ft - donor) ~ B @ A per weight "
                 "(rank-K truncated SVD)", "rank": rank, "share": SHARE_DEFINITION}
-    folder = OutputFolder(output, replace=NEW, hint="choose a new folder (extract never overwrites)").open()
+    folder = OutputFolder(output, replace=NEW, hint="choose a new folder (extract never overwrites)",
+                          inputs=[("donor", donor), ("donor_ft", donor_ft)]).open()
     try:
         factors, table = _factor_tensors(donor_checkpoint, ft_checkpoint, layers, rank, weight, embeddings,
                                          progress)

@@ -27,6 +27,7 @@ from graftmerge.formats.fisher_cache import (
     open_fisher_cache,
     side_rank,
 )
+from graftmerge.formats.output_folder import check_not_inputs
 from graftmerge.math.mask_stats import block_share, pair_overlap
 from graftmerge.pipeline.graft_plan import GraftInputs
 from graftmerge.pipeline.plan import score_pass, tensor_masks
@@ -79,7 +80,8 @@ def _largest_side(cache: FisherCache) -> int:
 
 
 def check_compress(source: str | Path, out: str | Path, rank: int) -> FisherCache:
-    """Everything compress refuses, before any work: a missing/diagonal-only cache, bad K, existing OUT."""
+    """Everything compress refuses, before any work: OUT an input, a missing/diagonal-only cache, bad K, existing OUT."""
+    check_not_inputs(out, [("Fisher cache", source)])
     cache = open_fisher_cache(source)
     if not cache.names("kfac"):
         raise GraftError(f"Fisher cache {source} has no KFAC entries (kind {cache.kind}); only KFAC eigenbases can be compressed")
@@ -116,7 +118,7 @@ def compress_cache(source: str | Path, out: str | Path, rank: int, progress: boo
             result.sides[key] = SideSummary(key, int(values.shape[0]), count, share, kept)
         return truncated[key]
 
-    with FisherCacheWriter(out, model=cache.manifest["model"], estimator=estimator,
+    with FisherCacheWriter(out, model=cache.manifest["model"], estimator=estimator, inputs=[("Fisher cache", source)],
                            counts=dict(cache.manifest.get("counts") or {})) as writer:
         for name in tqdm(cache.names(), desc="fisher compress", disable=not progress, unit="tensor"):
             if cache.has(name, "diagonal"):

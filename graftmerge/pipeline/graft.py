@@ -30,6 +30,7 @@ from graftmerge.pipeline.graft_plan import (
     GraftPlan,
     open_inputs,
     plan_from_merge_config,
+    plan_inputs,
 )
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit, scored_delta
 from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs, post_architecture
@@ -211,8 +212,8 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
     OUT may be replaced only when it is empty or holds nothing but files a merge writes.
     """
     try:
-        with OutputFolder(out_path, replace=MERGE) as output:
-            plan = plan_from_merge_config(merge_config)
+        plan = plan_from_merge_config(merge_config)  # reads configs only; OUT may be none of its inputs
+        with OutputFolder(out_path, replace=MERGE, inputs=plan_inputs(plan)) as output:
             loaded = check_mergekit_inputs(merge_config, options.allow_crimes, options.trust_remote_code)
             inputs = open_inputs(plan)
             _VALIDATED_PLANS[_without_dtype(plan)] = plan

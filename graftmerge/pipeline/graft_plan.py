@@ -138,6 +138,29 @@ def resolve_fisher_folder(fisher: str) -> str:
     return resolve_artifact(FISHER, fisher)
 
 
+def plan_inputs(plan: GraftPlan) -> list[tuple[str, str]]:
+    """(label, folder) of everything ``plan`` reads: for ``OutputFolder(inputs=...)``, which refuses OUT among them.
+
+    A Fisher cache that does not resolve is left out here: opening the inputs reports it.
+    """
+    found = [("post model (base_model)", plan.post), ("donor", plan.donor)]
+    for fine_tune in plan.fine_tunes:
+        found.append(("donor_ft", fine_tune.path))
+        found.append(("adapter of donor_ft", fine_tune.adapter))
+    found += [("delta", delta.path) for delta in plan.deltas]
+    if plan.fisher:
+        found.append(("Fisher cache", _fisher_folder_or_none(plan.fisher)))
+    return [(label, path) for label, path in found if path is not None]
+
+
+def _fisher_folder_or_none(fisher: str) -> str | None:
+    """The Fisher cache's folder, or None if it does not resolve (opening the inputs says why)."""
+    try:
+        return resolve_fisher_folder(fisher)
+    except GraftError:
+        return None
+
+
 @dataclass
 class GraftInputs:
     """The opened inputs of a plan: checkpoints (headers only) and the Fisher cache."""

@@ -57,10 +57,10 @@ from mergekit.plan import MergePlanner
 from tqdm import tqdm
 
 from graftmerge.errors import GraftError
-from graftmerge.formats.output_folder import EMPTY, OutputFolder
+from graftmerge.formats.output_folder import EMPTY, OutputFolder, check_not_inputs
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.pipeline.graft import graft_opened
-from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan
+from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan, plan_inputs
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
 from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs
 from graftmerge.pipeline.plan import grid_views, score_pass
@@ -260,11 +260,13 @@ def check_sweepable(config, points: list[GridPoint], plan: GraftPlan) -> dict[Gr
 def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out_dir: str, options) -> list[Path]:
     """Write one model folder per grid point under ``out_dir`` (all or nothing: see ``output_folder``)."""
     plans = check_sweepable(config, points, plan)
+    read = plan_inputs(plan)
+    check_not_inputs(out_dir, read)  # before anything else: OUT may be none of the inputs
     loaded = check_mergekit_inputs(config, options.allow_crimes, options.trust_remote_code)
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GraftError(f"output {out_dir} already exists and is not an empty folder; choose a new one")
-    with OutputFolder(out_dir, replace=EMPTY) as output, contextlib.ExitStack() as loras:  # locked before any read
+    with OutputFolder(out_dir, replace=EMPTY, inputs=read) as output, contextlib.ExitStack() as loras:  # locked before any read
         masked = [p for p in plans.values() if p.masked]
         inputs = GraftInputs.open(masked[0] if masked else plans[points[0]])
         config = loras.enter_context(lora_inputs_in_mergekit(config, inputs))  # LoRA inputs read unmerged
