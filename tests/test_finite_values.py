@@ -367,7 +367,7 @@ def test_large_finite_values_merge_bit_identically(tmp_path, dtype, value):
     assert result.returncode == 0, result.stderr[-3000:]
     post, base, ft = (read_model(tmp_path / n) for n in ("post", "base", "ft"))
     got = read_model(tmp_path / "out")
-    assert bool(torch.isinf(post[NORM].float().sum(dtype=dtype))) or dtype == torch.float32
+    assert bool(torch.isinf(post[NORM].sum(dtype=dtype)))  # a sum-based fast check would have to fall back
     for tensor_name, out in got.items():
         expected = torch.sub(ft[tensor_name].float(), base[tensor_name].float()).mul_(0.5)
         expected = expected.add_(post[tensor_name].float()).to(dtype)
