@@ -131,12 +131,16 @@ class GraftMergeMethod(GroupMergeMethod):
         """
         if all(isinstance(entry.id, ModelReference) for group in groups for entry in group.entries):
             return super()._execute(groups, parameters, options, input_dtypes=input_dtypes, out_dtype=out_dtype)
-        merged = graft_state_dict_groups(groups, parameters, input_dtypes)
+        merged = graft_state_dict_groups(groups, parameters, input_dtypes, out_dtype)
         return tuple(t if out_dtype is None else t.to(out_dtype) for t in merged)
 
 
-def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtypes) -> list[torch.Tensor]:
-    """Graft in-memory tensor groups (one per weight) that share their inputs' ids and roles."""
+def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtypes,
+                            out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Graft in-memory tensor groups (one per weight) that share their inputs' ids and roles.
+
+    Each result is checked finite, also cast to ``out_dtype`` (what the caller gets).
+    """
     if not groups:
         return []
     first = groups[0]
@@ -184,7 +188,7 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
         partial=True,
         deltas=[source(key, f"delta (input {key!r})", InMemoryDelta) for key in delta_ids],
     )
-    return list(graft_in_memory(inputs, device=first.entries[0].tensor.device))
+    return list(graft_in_memory(inputs, device=first.entries[0].tensor.device, out_dtype=out_dtype))
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

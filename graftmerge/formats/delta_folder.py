@@ -27,6 +27,7 @@ from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint, hf_cache_origin, tensor_windows
 from graftmerge.formats.json_file import load_json_file
 from graftmerge.formats.manifest_schema import DELTA_DTYPES, check_delta_manifest
+from graftmerge.math.finite import all_finite
 
 FORMAT_NAME = "graftmerge.delta"
 FORMAT_VERSION = 1
@@ -162,5 +163,5 @@ class DeltaCheckpoint(Checkpoint):
 
 def check_finite_delta(tensor: torch.Tensor, file: Path | None, name: str) -> None:
     """GraftError ``<file>: delta tensor <name> contains NaN or Inf`` unless every value is finite."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):  # one min/max reduction, a fraction of isfinite().all()'s time
         raise GraftError(f"{file}: delta tensor {name!r} contains NaN or Inf")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -26,13 +27,15 @@ from graftmerge.formats.fisher_cache import FORMAT_VERSION as FISHER_VERSION
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.formats.lora_adapter import CONFIG_NAME as ADAPTER_CONFIG
 from graftmerge.formats.lora_adapter import WEIGHTS_NAME as ADAPTER_WEIGHTS
-from graftmerge.formats.lora_adapter import check_adapter_config, open_lora_adapter
+from graftmerge.formats.lora_adapter import LoraAdapter, check_adapter_config, open_lora_adapter
 from graftmerge.formats.manifest_schema import check_delta_manifest, check_fisher_manifest
 from graftmerge.hub.artifacts import ArtifactKind
 from graftmerge.hub.cards import render_delta_card, render_fisher_card
+from graftmerge.math.finite import FLOAT32_MAX, largest_magnitude, product_bound
 
 FISHER_MANIFEST = "fisher_manifest.json"
 DELTA_MANIFEST = "delta_manifest.json"
+PULLED_VALUE_LIMIT = FLOAT32_MAX / 2**8  # what a pulled delta's values, an adapter's products, may reach
 
 
 def _open_fisher_folder(folder: Path) -> Mapping[str, Any]:
@@ -128,8 +131,14 @@ def _check_delta_schema(manifest: Mapping[str, Any], where: str) -> None:
 
 
 def _validate_delta_folder(folder: Path) -> None:
-    """A pulled delta opened as a merge opens it (manifest, index, headers, dtypes, shapes), every tensor finite."""
-    open_delta(folder).checkpoint.check_all_values()
+    """A pulled delta opened as a merge opens it (manifest, index, headers, dtypes, shapes), every tensor finite
+    and below :data:`PULLED_VALUE_LIMIT` (θpost + λ·δ must not overflow float32 in a graft)."""
+    checkpoint = open_delta(folder).checkpoint
+    for name in sorted(checkpoint.tensors):
+        largest = largest_magnitude(checkpoint.read(name))  # NaN or Inf: a GraftError naming file and tensor
+        if not largest <= PULLED_VALUE_LIMIT:
+            raise GraftError(f"{checkpoint.tensors[name].file}: delta tensor {name!r} holds |x| = {largest:.3g}, "
+                             f"beyond {PULLED_VALUE_LIMIT:.3g}: θpost + Δ could overflow float32 in a graft; refused")
 
 
 def _open_delta_folder(folder: Path) -> Mapping[str, Any]:
@@ -166,8 +175,35 @@ def _open_adapter_folder(folder: Path) -> Mapping[str, Any]:
 
 
 def _validate_adapter_folder(folder: Path) -> None:
-    """A pulled adapter opened as a graft opens it, then every tensor read once (finite)."""
-    open_lora_adapter(folder).check_all_values()
+    """A pulled adapter opened as a graft opens it, then every tensor read once (finite), its products bounded."""
+    adapter = open_lora_adapter(folder)
+    adapter.check_all_values()
+    check_adapter_range(adapter)
+
+
+def check_adapter_range(adapter: LoraAdapter) -> None:
+    """GraftError unless nothing a graft computes from ``adapter`` in float32 can overflow (a sound bound).
+
+    Every LoRA module's :func:`product_bound` (its product ``scaling·B·A``, that product
+    rotated into any orthonormal KFAC eigenbasis, and the rotation before it is scaled)
+    and every saved whole tensor's largest value stay below :data:`PULLED_VALUE_LIMIT`,
+    float32's largest value over 2⁸: room for θpost + Δ', the masked part removed and a
+    λ·weight of a few. Which model the adapter will be grafted onto (and so the dtype of
+    its weights) is not known when it is pulled; a graft checks the values it computes.
+    """
+    where = adapter.file or adapter.label
+    for module, lora in sorted(adapter.modules.items()):
+        bound = product_bound(adapter.read(lora.b_key), adapter.read(lora.a_key), lora.scaling)
+        if not bound <= PULLED_VALUE_LIMIT:
+            beyond = ", a factor holding values beyond float32's range," if bound == math.inf else ""
+            raise GraftError(f"{where}: module {module}: max(1, |scaling|)·‖B‖_F·‖A‖_F = {bound:.3g} "
+                             f"(scaling {lora.scaling:.3g}{beyond}) exceeds {PULLED_VALUE_LIMIT:.3g}, so its Δ or "
+                             "Δ's KFAC rotation could overflow float32 in a graft; refused")
+    for key in sorted(adapter.full.values()):
+        largest = largest_magnitude(adapter.read(key))
+        if not largest <= PULLED_VALUE_LIMIT:
+            raise GraftError(f"{where}: saved tensor {key!r} holds |x| = {largest:.3g}, beyond "
+                             f"{PULLED_VALUE_LIMIT:.3g}: a graft's float32 Δ of it could overflow; refused")
 
 
 LORA_ADAPTER = ArtifactKind(

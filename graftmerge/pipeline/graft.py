@@ -16,14 +16,15 @@ from pathlib import Path
 
 import click
 import torch
+from mergekit.common import dtype_from_name
 
 from graftmerge.errors import GraftError, cli_error
-from graftmerge.formats.delta_folder import check_finite_delta
 from graftmerge.formats.output_folder import MERGE, OutputFolder, stage_reached
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.projection import remove_masked, remove_masked_coordinates, remove_masked_pairs
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
+from graftmerge.pipeline.finite_values import check_delta, check_result
 from graftmerge.pipeline.graft_plan import (
     GraftInputs,
     GraftPlan,
@@ -112,15 +113,20 @@ def graft_opened(
     donor: torch.Tensor | None,
     fine_tunes: Sequence[torch.Tensor],
     deltas: Sequence[torch.Tensor] = (),
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``graft_tensor`` for inputs already opened (from files or from memory)."""
+    """``graft_tensor`` for inputs already opened (from files or from memory).
+
+    The result is checked finite, also once cast to ``out_dtype`` (default: the one
+    ``run_graft_merge`` noted from the config): GraftError naming the tensor and its culprit.
+    """
     stage_reached("merging")
-    for source, tensor in zip(inputs.deltas, deltas):  # mergekit read them: check them here
-        check_finite_delta(tensor, source.tensors[name].file, name)
     delta = donor_delta(donor, fine_tunes, inputs.plan.lambdas, deltas, inputs.plan.delta_lambdas)
     if inputs.plan.masked and inputs.fisher_kind(name):
         delta = _masked(inputs, name, delta)
-    return delta.add_(post.to(delta.dtype)).to(post.dtype)  # θpost + Δ', in Δ's buffer
+    result = delta.add_(post.to(delta.dtype)).to(post.dtype)  # θpost + Δ', in Δ's buffer
+    check_result(inputs, name, result, out_dtype or inputs.memo.get("out_dtype"), [post, donor, *fine_tunes, *deltas])
+    return result
 
 
 def _masked(inputs: GraftInputs, name: str, delta: torch.Tensor) -> torch.Tensor:
@@ -166,6 +172,7 @@ def _kept_mask_removed(inputs: GraftInputs, name: str, delta: torch.Tensor) -> i
     if positions is None:
         return None
     if inputs.fisher_kind(name) != "kfac":
+        check_delta(inputs, name, delta)  # zeroing a masked coordinate must not hide a NaN or Inf there
         remove_masked_coordinates(delta, positions)
         return positions.numel()
     pairs = kept.load_pairs(name, delta.device)
@@ -175,8 +182,9 @@ def _kept_mask_removed(inputs: GraftInputs, name: str, delta: torch.Tensor) -> i
     return positions.numel()
 
 
-def graft_in_memory(inputs: GraftInputs, device: torch.device | str = "cpu") -> Iterator[torch.Tensor]:
-    """Graft every tensor of in-memory inputs, in ``inputs.post`` order.
+def graft_in_memory(inputs: GraftInputs, device: torch.device | str = "cpu",
+                    out_dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
+    """Graft every tensor of in-memory inputs, in ``inputs.post`` order (each checked finite in ``out_dtype`` too).
 
     The whole model is in memory here, so the global threshold is computed from
     the given tensors themselves (no pre-pass over files, nothing cached on disk).
@@ -194,6 +202,7 @@ def graft_in_memory(inputs: GraftInputs, device: torch.device | str = "cpu") -> 
                 inputs.donor.read(name) if inputs.donor is not None else None,
                 [fine_tune.read(name) for fine_tune in inputs.fine_tunes],
                 [delta.read(name) for delta in inputs.deltas],
+                out_dtype=out_dtype,
             )
 
 
@@ -208,6 +217,7 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
             loaded = check_mergekit_inputs(merge_config, options.allow_crimes, options.trust_remote_code)
             inputs = open_inputs(plan)
             _VALIDATED_PLANS[_without_dtype(plan)] = plan
+            inputs.memo["out_dtype"] = dtype_from_name(merge_config.out_dtype)  # the kernel checks the cast too
             try:
                 prepare(inputs, device=options.device or "cpu", progress=not options.quiet,
                         scratch=output.scratch / "kfac-rotations")
@@ -222,6 +232,7 @@ def run_graft_merge(run_merge: Callable, merge_config, out_path: str, options, c
             finally:
                 inputs.memo.pop("rotations", None)  # its files go with the staging folder
                 inputs.memo.pop("kept_masks", None)
+                inputs.memo.pop("out_dtype", None)
     except GraftError as error:
         raise_for_cli(error, verbose=options.verbosity > 0)
 

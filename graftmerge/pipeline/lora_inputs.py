@@ -49,8 +49,10 @@ from graftmerge.formats.lora_adapter import (
     check_float_model,
     open_lora_state_dict,
 )
+from graftmerge.math.finite import all_finite
 from graftmerge.math.low_rank import low_rank_rotate
 from graftmerge.math.projection import ScoredDelta, TensorFisher, score_delta
+from graftmerge.pipeline.finite_values import adapter_problem, check_scores
 from graftmerge.pipeline.graft_plan import GraftInputs
 
 
@@ -149,7 +151,9 @@ def scored_delta(inputs: GraftInputs, name: str, delta: torch.Tensor, fisher: Te
     """``score_delta`` of one tensor (block) of a graft, Δ̃ from LoRA factors where :func:`low_rank_rotation` can."""
     if rotated is None:
         rotated = low_rank_rotation(inputs, name, fisher, rows, delta.device)
-    return score_delta(delta, fisher, rotated)
+    scored = score_delta(delta, fisher, rotated)
+    check_scores(inputs, name, scored.scores, rows, scored.rotated)  # NaN/Inf in Δ or Δ̃ never reaches a mask
+    return scored
 
 
 # Δ tensors made by lora_delta_state_dict -> (the tensor's name, its LoRA factors): kept only
@@ -215,6 +219,8 @@ def lora_delta_state_dict(adapter_state_dict: Mapping[str, torch.Tensor], adapte
             continue
         if name in delta.bound:
             result[name] = delta.read(name).to(device)
+            if not all_finite(result[name]):  # a product or a float64 factor beyond float32's range
+                raise GraftError(adapter_problem(delta, name))
         else:
             result[name] = torch.zeros((), device=device).expand(info.shape)
         factors = delta.low_rank_factors(name)
@@ -234,7 +240,7 @@ class InMemoryDelta(InMemoryCheckpoint):
         super().__init__(tensors, dtypes, label)
         self.given = tensors
         for name, tensor in tensors.items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 raise GraftError(f"{label}: delta tensor {name!r} contains NaN or Inf")
 
     @property

@@ -347,9 +347,11 @@ def _write_tensor(save, views: dict[GridPoint, GraftInputs], writers: dict, refs
         fine_tunes = [aligned[ref] for ref in fine_tune_refs]
         deltas = [aligned[ref] for ref in delta_refs]
     storage = device if options.low_cpu_memory else "cpu"
+    out_dtype = dtype_from_name(save.dtype) if save.dtype else None
     for point, view in views.items():
         with torch.no_grad():
-            tensor = buffer if buffer is not None else graft_opened(view, name, post, donor, fine_tunes, deltas)
+            tensor = buffer if buffer is not None else graft_opened(view, name, post, donor, fine_tunes, deltas,
+                                                                    out_dtype=out_dtype)
         tensor = tensor.to(storage)
         if save.dtype:
             tensor = tensor.to(dtype=dtype_from_name(save.dtype))

@@ -38,6 +38,7 @@ from graftmerge.math.global_threshold import GlobalThreshold, ThresholdSearch
 from graftmerge.math.projection import TensorFisher, candidate_pairs
 from graftmerge.math.scores import diagonal_scores
 from graftmerge.math.selection import SMALLEST_SCORE, masked_count
+from graftmerge.pipeline.finite_values import check_scores
 from graftmerge.pipeline.graft_plan import GraftInputs
 from graftmerge.pipeline.lora_inputs import scored_delta
 
@@ -262,7 +263,9 @@ def _score_block(inputs: GraftInputs, device: str, block: tuple[str, tuple[int, 
     delta = inputs.read_delta(name, device, rows)
     fisher = inputs.tensor_fisher(name, rows).to(device)
     if fisher.kfac is None:  # Δ is not needed after its scores: square it in place
-        return fisher, diagonal_scores(fisher.diagonal, delta, in_place=True), None
+        scores = diagonal_scores(fisher.diagonal, delta, in_place=True)
+        check_scores(inputs, name, scores, rows)  # a NaN or Inf in Δ never reaches the search
+        return fisher, scores, None
     scored = scored_delta(inputs, name, delta, fisher, rows)
     return fisher, scored.scores, scored.rotated
 
