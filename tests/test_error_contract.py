@@ -283,5 +283,4 @@ def test_sweep_and_a_real_mergekit_yaml_process_check_inputs_too(tmp_path, tied_
     (tmp_path / "huge.yml").write_text(config.replace("lambda: 1.0", f"lambda: {HUGE}"))
     one_line(run_process("mergekit-yaml", str(tmp_path / "huge.yml"), str(tmp_path / "out")),
              "integer of more than 4300 digits")
-    one_line(run_process("mergekit-yaml", str(tmp_path / "graft.yml"), str(tmp_path / "out")), "has no config.json")
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists()  # the configless donor through the CLIs: the hostile cases above

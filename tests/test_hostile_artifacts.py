@@ -29,6 +29,7 @@ import torch
 from click.testing import CliRunner
 from conftest import (
     copy_model,
+    error_line,
     graft_yaml,
     read_model,
     run_cli,
@@ -452,14 +453,6 @@ def case_config(case: Case, m: dict, bad: Path, pristine: dict) -> str:
     return graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 1)], rho=case.rho, fisher=bad)
 
 
-def error_line(result) -> str:
-    """The contract: exit 2, exactly one ``error: ...`` line, last on stderr (progress bars aside), no traceback."""
-    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
-    lines = [line for line in result.stderr.splitlines() if line.strip() and "it/s]" not in line and "s/it]" not in line]
-    errors = [line for line in lines if line.startswith("error: ")]
-    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr[-3000:]
-    assert "Traceback" not in result.stderr + result.stdout
-    return errors[0]
 
 
 @pytest.mark.parametrize("tool", ["mergekit-yaml", "graftmerge merge"])
