@@ -41,6 +41,8 @@ WATCHED = [
     (fisher_cache.FisherCache, "kfac"), (fisher_cache, "orthonormal_digest"), (fisher_cache, "check_orthonormal"),
     (global_threshold.ThresholdSearch, "add_coarse"), (global_threshold.ThresholdSearch, "result"),
     (rotation_store.RotationStore, "save_pairs"), (rotation_store.RotationStore, "load_pairs"),
+    # issue 24's checks: finite results, pinned inputs, loadable inputs
+    (graft, "check_result"), (graft_plan.GraftInputs, "check_unchanged"), (graft, "check_mergekit_inputs"),
 ]
 
 
