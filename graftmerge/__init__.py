@@ -1,6 +1,6 @@
 """graftmerge: graft a donor's fine-tuning delta onto a post-trained model.
 
-See ``SPEC``-level docs in README.md. Importing this package is cheap; the
+What it computes: docs/math.md; the manual: docs/. Importing this package is cheap; the
 mergekit adapter lives in :mod:`graftmerge.adapter.merge_method`.
 """
 

@@ -128,7 +128,7 @@ def brute_force_graft(
 ) -> BruteForceGraft:
     """The whole model flattened at once: every ranked direction scored, one stable sort, top ⌈ρ·D⌉.
 
-    Written from SPEC §2 and the README's tie rule, independently of graftmerge's
+    Written from docs/math.md (the masks, the threshold's tie rule), independently of graftmerge's
     streaming threshold: diagonal scores F⊙Δ², KFAC scores σ_i d_j Δ̃² with
     Δ̃ = UᵀΔV; tensors in name order, row-major coordinates; scores below
     float32's smallest normal never masked; tensors without a usable Fisher entry

@@ -1,5 +1,5 @@
 """KFAC eigenbasis masks: against the dense Fisher they approximate, the diagonal
-special case, the SPEC §2 laws, a mixed global ranking through mergekit-yaml,
+special case, the laws of docs/math.md#laws-the-masks-satisfy, a mixed global ranking through mergekit-yaml,
 and a cache estimated by `graftmerge fisher estimate` driving real grafts."""
 
 from __future__ import annotations

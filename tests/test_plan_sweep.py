@@ -48,7 +48,7 @@ def caches(tied_models, tmp_path_factory) -> dict[str, Path]:
 
 
 def brute_scores(models, fine_tunes, cache_path, lam) -> tuple[list[str], dict[str, torch.Tensor]]:
-    """Every ranked direction's score, the whole model at once (SPEC §2), float32."""
+    """Every ranked direction's score, the whole model at once (docs/math.md#the-masks), float32."""
     donor = read_model(models["donor"])
     fts = [(read_model(path), weight) for path, weight in fine_tunes]
     cache = open_fisher_cache(cache_path)

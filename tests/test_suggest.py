@@ -194,7 +194,7 @@ def quadratic(fisher: dict[str, tuple], delta: dict[str, torch.Tensor]) -> float
 
 
 def brute_shares(models, weight: float, fisher: dict[str, tuple], rhos) -> list[float]:
-    """R(ρ) for every ρ: the whole model's scores at lambda 1, one stable sort, top ⌈ρ·D⌉ (SPEC §2)."""
+    """R(ρ) for every ρ: the whole model's scores at lambda 1, one stable sort, top ⌈ρ·D⌉ (docs/math.md#the-threshold)."""
     donor, ft = read_model(models["donor"]), read_model(models["donor_ft"])
     scores = []
     for n, entry in fisher.items():

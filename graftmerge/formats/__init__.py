@@ -1,8 +1,8 @@
 """Artifacts on disk, read lazily and validated: one module per format.
 
 checkpoint      a folder of safetensors shards (model inputs), headers first
-fisher_cache    Fisher caches (format v1, ``fisher/README.md``)
-delta_folder    delta folders written by ``graftmerge delta extract`` (``docs/delta-tool.md``)
+fisher_cache    Fisher caches (format v1, ``docs/formats/fisher-cache.md``)
+delta_folder    delta folders written by ``graftmerge delta extract`` (``docs/formats/delta-folder.md``)
 lora_adapter    PEFT LoRA adapter folders read as Δ (``role: delta``) or merged θft (``BASE+ADAPTER``)
 rotation_store  the threshold pass's scratch Δ̃ = UᵀΔV, reused by the merge
 gguf_import     a GGUF file turned into a safetensors model folder

@@ -17,7 +17,7 @@ loads it (no missing or unexpected keys) and ``merge_and_unload()`` adds ``B·A`
   modules, else full module names: PEFT then creates no layer without factors.
 
 ``lora_manifest.json`` (written by the pipeline, last) records the sources and what
-each tensor kept or lost; see docs/delta-tool.md.
+each tensor kept or lost; see docs/formats/delta-folder.md.
 """
 
 from __future__ import annotations
