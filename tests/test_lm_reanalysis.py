@@ -201,3 +201,24 @@ def test_script_refuses_bad_input_in_one_line(script_main, capsys, tmp_path: Pat
     assert status == 2 and captured.out == "" and captured.err.startswith("error: ") and expected in captured.err
     assert len(captured.err.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["list.json", "partial.json", "r.json"]
+
+
+def test_sensitive_coordinate_shares_are_the_runs_own_per_seed(full) -> None:
+    """Each family's share is the run's recorded mean (Fig. 8 right); its difference to SFT's is paired per seed."""
+    results, analysis = full
+    for row in analysis["shares"]:
+        assert row["mean"] == pytest.approx(results["top_share"][row["family"]], abs=1e-12)
+        assert len(row["diffs"]) == len(analysis["evaluated"]) and row["test"] is not None
+    assert analysis["sft_share"] == pytest.approx(results["top_share"]["sft"], abs=1e-12)
+
+
+def test_baseline_win_counts_match_the_graft_rows(full) -> None:
+    _, analysis = full
+    rows = analysis["comparisons"]["baselines"]
+    for tolerance, counted in analysis["baseline_wins"]["graft"].items():
+        found = [row["by_tolerance"][tolerance] for row in rows]
+        assert counted == {"every_seed": sum(f["wins"] == len(f["diffs"]) for f in found),
+                           "interval_above_0": sum(f["test"].verdict == "positive" for f in found),
+                           "baselines": len(rows)}
+    assert set(analysis["baseline_wins"]) == {"SFT + merge + mask", "OPSD-forward + merge + mask",
+                                              "OPSD-reverse + merge + mask", "graft"}

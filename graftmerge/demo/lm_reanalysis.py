@@ -19,13 +19,15 @@ recomputes, without training anything:
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from graftmerge.demo.lm import ModelSize
 from graftmerge.demo.lm_report import chosen_points
-from graftmerge.demo.lm_settings import LmDemoSettings
+from graftmerge.demo.lm_settings import FOLDER_AT, LmDemoSettings
 from graftmerge.demo.lm_training import seed_world
 from graftmerge.demo.world import ANSWER, Example, SplitSizes, World
 from graftmerge.errors import GraftError
@@ -168,6 +170,46 @@ def comparisons(settings: LmDemoSettings, chosen: dict[str, dict], evaluated: di
     return result
 
 
+def baseline_wins(settings: LmDemoSettings, chosen: dict[str, dict], evaluated: dict[int, dict],
+                  priors: dict[int, dict]) -> dict[str, dict[str, dict[str, int]]]:
+    """Masked method → τ → against how many of the paper's baselines it wins every seed, and with an interval > 0."""
+    baselines = [right for left, right in section_pairs(settings)["baselines"]]
+    masked = ["SFT + merge + mask", *(f"OPSD-{k} + merge + mask" for k in settings.opsd), "graft"]
+    result: dict[str, dict[str, dict[str, int]]] = {}
+    for method in masked:
+        for tolerance, table in chosen.items():
+            if method not in table or not all(b in table for b in baselines):
+                continue
+            found = [compare(per_seed(table, method, evaluated, priors), per_seed(table, b, evaluated, priors))
+                     for b in baselines]
+            result.setdefault(method, {})[tolerance] = {
+                "every_seed": sum(f["wins"] == len(f["diffs"]) for f in found),
+                "interval_above_0": sum(f["test"] is not None and f["test"].low > 0 for f in found),
+                "baselines": len(baselines)}
+    return result
+
+
+def top_shares(evaluated: dict[int, dict]) -> dict[str, dict[int, float]]:
+    """Update family → seed → share of F·Δ² on θpost's top-1 % Fisher coordinates, mean over its snapshots."""
+    shares: dict[str, dict[int, list[float]]] = {}
+    for seed, result in evaluated.items():
+        for name, stats in result["updates"].items():
+            if not name.startswith("post-") and stats.get("top_share") is not None:
+                family = name.split("-lr")[0].replace(FOLDER_AT, "@")
+                shares.setdefault(family, {}).setdefault(seed, []).append(stats["top_share"])
+    return {family: {seed: statistics.fmean(v) for seed, v in sorted(by_seed.items())}
+            for family, by_seed in sorted(shares.items())}
+
+
+def share_comparisons(evaluated: dict[int, dict]) -> list[dict[str, Any]]:
+    """Each update family's top-1 % share against SFT's, paired per seed (the paper's precondition: donors lower)."""
+    shares = top_shares(evaluated)
+    if "sft" not in shares:
+        return []
+    return [{"family": family, "mean": statistics.fmean(by_seed.values()), **compare(by_seed, shares["sft"])}
+            for family, by_seed in shares.items() if family != "sft"]
+
+
 def grid_edges(settings: LmDemoSettings, chosen: dict[str, dict]) -> list[dict[str, Any]]:
     """Per τ and masked method row: each seed's chosen λ and ρ, and whether they sit on the grid's edge."""
     smallest, largest = min(settings.lambdas), max(settings.lambdas)
@@ -198,7 +240,9 @@ def reanalyse(results: dict[str, Any], where: str = "results.json") -> dict[str,
                    for tolerance, table in chosen.items()}
     return {"settings": settings, "evaluated": evaluated, "chosen": chosen, "priors": priors,
             "above_prior": above_prior, "comparisons": comparisons(settings, chosen, evaluated, priors),
-            "edges": grid_edges(settings, chosen), "top_share": results.get("top_share", {})}
+            "edges": grid_edges(settings, chosen), "shares": share_comparisons(evaluated),
+            "baseline_wins": baseline_wins(settings, chosen, evaluated, priors),
+            "sft_share": statistics.fmean(top_shares(evaluated).get("sft", {0: math.nan}).values())}
 
 
 def interval(test: PairedTest | None, mean: float) -> str:
@@ -286,6 +330,28 @@ def edges_table(analysis: dict[str, Any]) -> list[str]:
     return lines
 
 
+def baseline_wins_table(analysis: dict[str, Any]) -> list[str]:
+    """Markdown: each masked method against the paper's baselines, counted."""
+    tolerances = list(analysis["chosen"])
+    lines = ["| masked method |" + "".join(f" τ {t}: beats in every seed | interval above 0 |" for t in tolerances),
+             "|---|" + "---|---|" * len(tolerances)]
+    for method, by_tolerance in analysis["baseline_wins"].items():
+        cells = "".join(f" {c['every_seed']} of {c['baselines']} | {c['interval_above_0']} of {c['baselines']} |"
+                        for c in by_tolerance.values())
+        lines.append(f"| {method} |{cells}")
+    return lines
+
+
+def shares_table(analysis: dict[str, Any]) -> list[str]:
+    """Markdown: each update family's share of F·Δ² on θpost's top-1 % Fisher coordinates against SFT's."""
+    lines = [f"SFT's share: {analysis['sft_share']:.3f} (mean over seeds of the mean over its snapshots).", "",
+             "| update | share | − SFT's share, mean [95 % CI] | + / = / − | verdict |", "|---|---|---|---|---|"]
+    for row in analysis["shares"]:
+        lines.append(f"| {row['family']} | {row['mean']:.3f} | {interval(row['test'], row['diffs'][0])} | "
+                     f"{_counts(row)} | {_verdict(row['test'])} |")
+    return lines
+
+
 def markdown_report(analysis: dict[str, Any]) -> str:
     """The corrected tables, as markdown (what `scripts/reanalyse_demo.py` prints)."""
     seeds = len(analysis["priors"])
@@ -302,9 +368,15 @@ def markdown_report(analysis: dict[str, Any]) -> str:
         lines += chosen_table(analysis, tolerance)
     for section, rows in analysis["comparisons"].items():
         lines += ["", f"### {SECTIONS[section]}", ""] + comparison_table(rows)
+        if section == "baselines" and analysis["baseline_wins"]:
+            lines += ["", "Every masked method against the same baselines, counted:", ""]
+            lines += baseline_wins_table(analysis)
         if section == "donor" and seeds > 1:
             lines += ["", "Smallest equivalence margin TOST (α 0.05) would accept: " + "; ".join(
                 f"{row['left']} − {row['right']} at τ {t}: ±{found['equivalence_bound']:.3f}"
                 for row in rows for t, found in row["by_tolerance"].items() if "equivalence_bound" in found) + "."]
+    if analysis["shares"]:
+        lines += ["", "### The paper's precondition: do donors write less to θpost's sensitive coordinates?", ""]
+        lines += shares_table(analysis)
     lines += ["", "### Where the chosen λ and ρ sit in the grid", ""] + edges_table(analysis)
     return "\n".join(lines) + "\n"
