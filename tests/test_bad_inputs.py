@@ -14,17 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import (
-    copy_model,
-    graft_yaml,
-    run_process,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
 from safetensors.torch import load_file, save_file
 
 from graftmerge.adapter import import_hook
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import copy_model, tree_digest
+from tests.helpers.runners import run_process
 
 
 @pytest.fixture(scope="module")

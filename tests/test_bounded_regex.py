@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import assert_identical, graft_yaml, read_model, run_cli, run_process, tree_digest
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
@@ -39,6 +38,9 @@ from graftmerge.formats.lora_adapter import (
 )
 from graftmerge.pipeline.lora_inputs import lora_delta_state_dict
 from graftmerge.testing.tiny_models import ARCHITECTURES, make_graft_inputs, save_tiny_model
+from tests.helpers.configs import graft_yaml
+from tests.helpers.models import assert_identical, read_model, tree_digest
+from tests.helpers.runners import run_cli, run_process
 
 BOUND_S = 10.0  # what a run with hostile patterns may take at most (a backtracking one would take hours)
 

@@ -13,20 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import (
-    graft_yaml,
-    read_model,
-    run_cli,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
 
 from graftmerge.cli import main
 from graftmerge.errors import GraftError
 from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
 from graftmerge.pipeline.fisher_compress import compress_cache, delta_report, truncate_side
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import read_model, tree_digest
+from tests.helpers.runners import run_cli
 
 TINY = torch.finfo(torch.float32).tiny
 

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import graft_yaml, read_model, run_cli, spd, write_diagonal_cache, write_mixed_cache
 from safetensors.torch import load_file, save_file
-from test_selection import brute_force_mask, continuous_scores, tied_scores
 
 import graftmerge.formats.fisher_cache as fisher_cache
 import graftmerge.pipeline.graft as graft
@@ -36,6 +34,11 @@ from graftmerge.math.projection import (
 )
 from graftmerge.math.scores import diagonal_scores
 from graftmerge.math.selection import mask_from_threshold, top_k_mask
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import spd, write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import read_model
+from tests.helpers.references import brute_force_mask, continuous_scores, tied_scores
+from tests.helpers.runners import run_cli
 
 # -- the mask the search keeps ----------------------------------------------------------------
 

@@ -3,8 +3,8 @@
 A battery of damaged inputs (safetensors headers and offsets, shard indexes, Fisher and
 delta manifests, stored dtypes and shapes, values the math needs) goes through the real
 entry points: the stock ``mergekit-yaml`` and ``graftmerge merge`` (click commands run in
-this process with the import hook installed, conftest.run_cli), a few real processes, and
-``graftmerge fisher pull`` / ``delta pull`` against test_hub's fake Hub. Each must end
+this process with the import hook installed, tests.helpers.runners.run_cli), a few real processes, and
+``graftmerge fisher pull`` / ``delta pull`` against the fake Hub of tests/helpers/fake_hub.py. Each must end
 with exit status 2 and one ``error: ...`` line naming the file (and tensor or key), no
 traceback, no OUT, and the inputs byte for byte as they were.
 
@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import struct
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,24 +26,18 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import (
-    copy_model,
-    error_line,
-    graft_yaml,
-    read_model,
-    run_cli,
-    run_process,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
 from safetensors.torch import load_file, save_file
-from test_hub import hub  # noqa: F401 - a fixture
 
 from graftmerge.cli import main
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import check_orthonormal
 from graftmerge.pipeline.delta_extract import extract_delta
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import copy_model, read_model, tree_digest
+from tests.helpers.runners import error_line, run_cli, run_process
+
+pytestmark = pytest.mark.usefixtures("plain_argv")  # pytest's own flags must not reach report_errors' -v
 
 SHARD = "model-00011-of-00011.safetensors"  # of the tiny model: norm, both layer-1 norms, layer-1 down_proj
 NORM, DOWN = "model.norm.weight", "model.layers.1.mlp.down_proj.weight"
@@ -52,12 +45,6 @@ LN1, LN2 = "model.layers.1.input_layernorm.weight", "model.layers.1.post_attenti
 Q = "model.layers.0.self_attn.q_proj.weight"
 K = "model.layers.0.self_attn.k_proj.weight"
 DEEP = 200_000  # nesting levels of the deep-JSON cases
-
-
-@pytest.fixture(autouse=True)
-def plain_argv(monkeypatch):
-    """report_errors looks at the command's own -v; pytest's flags must not leak into sys.argv."""
-    monkeypatch.setattr(sys, "argv", ["graftmerge"])
 
 
 # -- raw file surgery -----------------------------------------------------------------------
@@ -453,8 +440,6 @@ def case_config(case: Case, m: dict, bad: Path, pristine: dict) -> str:
     return graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 1)], rho=case.rho, fisher=bad)
 
 
-
-
 @pytest.mark.parametrize("tool", ["mergekit-yaml", "graftmerge merge"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_corrupt_artifact_is_one_line_naming_it(tmp_path, tied_models, pristine, name, tool):
@@ -595,7 +580,7 @@ PULL_CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(PULL_CASES))
-def test_a_pull_validates_what_it_fetched(hub, tmp_path, pristine, name):  # noqa: F811 - test_hub's fixture
+def test_a_pull_validates_what_it_fetched(hub, tmp_path, pristine, name):
     kind, case, fetched = PULL_CASES[name]
     local = tmp_path / "local"
     shutil.copytree(pristine["fisher" if kind == "fisher" else "delta"], local)
@@ -613,7 +598,7 @@ def test_a_pull_validates_what_it_fetched(hub, tmp_path, pristine, name):  # noq
         assert not any(d.endswith(".safetensors") for d in hub.downloads)
 
 
-def test_a_pull_into_the_hf_cache_is_refused_and_left_incomplete(hub, tmp_path, pristine, tied_models):  # noqa: F811
+def test_a_pull_into_the_hf_cache_is_refused_and_left_incomplete(hub, tmp_path, pristine, tied_models):
     local = tmp_path / "local"
     shutil.copytree(pristine["fisher"], local)
     FISHER_CASES["diagonal NaN"].corrupt(local)
@@ -623,7 +608,7 @@ def test_a_pull_into_the_hf_cache_is_refused_and_left_incomplete(hub, tmp_path, 
     assert not (snapshot / "fisher_manifest.json").exists()  # not a complete copy: nothing resolves to it
 
 
-def test_a_good_pull_passes_and_an_adversarial_basis_is_caught_at_merge(hub, tmp_path, pristine, tied_models):  # noqa: F811
+def test_a_good_pull_passes_and_an_adversarial_basis_is_caught_at_merge(hub, tmp_path, pristine, tied_models):
     """Pulls check headers, manifest, dtypes, shapes and finite values; orthonormality is checked when read."""
     assert pull("fisher", "acme/good", "-o", tmp_path / "x").exit_code != 0  # no such repo yet
     stranger_repo(hub, "acme/good", pristine["fisher"])

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIN, read_model, run_cli, tree_digest
+
+from tests.helpers.models import read_model, tree_digest
+from tests.helpers.runners import BIN, run_cli
 
 PEAK_RSS_LIMIT_MB = 1024
 SECONDS_LIMIT = 60  # a refusal takes a few seconds (most of it importing torch); generous for a busy machine

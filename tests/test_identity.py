@@ -28,17 +28,6 @@ import httpx2
 import pytest
 import torch
 import yaml
-from conftest import (
-    assert_identical,
-    brute_force_graft,
-    graft_yaml,
-    mergekit_yaml_model,
-    read_model,
-    run_cli,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
 from mergekit.config import MergeConfiguration
 from mergekit.merge_methods import merge_state_dicts
 from mergekit.options import MergeOptions
@@ -50,6 +39,11 @@ from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.hub.artifacts import pull_artifact
 from graftmerge.hub.kinds import FISHER
 from graftmerge.testing.tiny_models import save_tiny_model
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import assert_identical, read_model, tree_digest
+from tests.helpers.references import brute_force_graft
+from tests.helpers.runners import mergekit_yaml_model, run_cli
 
 Q0, Q1, O1 = (f"model.layers.{i}.self_attn.{p}_proj.weight" for i, p in ((0, "q"), (1, "q"), (1, "o")))
 

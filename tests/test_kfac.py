@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import brute_force_graft, graft_yaml, read_model, run_cli, spd, write_mixed_cache
 
 from graftmerge.formats.fisher_cache import KfacFactors, open_fisher_cache
 from graftmerge.math.projection import TensorFisher, remove_masked, score_delta
 from graftmerge.math.selection import masked_count, top_k_mask
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import spd, write_mixed_cache
+from tests.helpers.models import read_model
+from tests.helpers.references import brute_force_graft
+from tests.helpers.runners import run_cli
 
 
 def eigen_factors(P: torch.Tensor, Q: torch.Tensor) -> KfacFactors:

@@ -21,13 +21,6 @@ import pytest
 import torch
 import transformers
 from click.testing import CliRunner
-from conftest import (
-    assert_identical,
-    mergekit_yaml_model,
-    one_line_error,
-    read_model,
-    write_diagonal_cache,
-)
 from peft import PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -39,6 +32,9 @@ from graftmerge.formats.lora_adapter import CONFIG_NAME, WEIGHTS_NAME, open_lora
 from graftmerge.formats.lora_writer import LORA_MANIFEST_NAME
 from graftmerge.pipeline import delta_extract
 from graftmerge.testing.tiny_models import ARCHITECTURES, make_graft_inputs
+from tests.helpers.fisher_caches import write_diagonal_cache
+from tests.helpers.models import assert_identical, read_model
+from tests.helpers.runners import mergekit_yaml_model, one_line_error
 
 PREFIX = "base_model.model."
 # architecture -> model options: tied Llama and Qwen3, Qwen2 with q/k/v biases and an untied lm_head,

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import copy_model, graft_yaml, read_model, run_cli, tree_digest, write_diagonal_cache
 
 from graftmerge.errors import GraftError
 from graftmerge.formats import output_folder
@@ -31,6 +30,10 @@ from graftmerge.formats.output_folder import (
 from graftmerge.hub import artifacts
 from graftmerge.hub.kinds import FISHER
 from graftmerge.pipeline.delta_extract import extract_delta, extract_lora
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache
+from tests.helpers.models import copy_model, read_model, tree_digest
+from tests.helpers.runners import run_cli
 
 # -- fixtures and helpers ---------------------------------------------------------------
 

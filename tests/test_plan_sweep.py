@@ -13,15 +13,6 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import (
-    graft_yaml,
-    one_line_error,
-    read_model,
-    run_cli,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
 from mergekit.io.tensor_writer import TensorWriter
 from mergekit.options import MergeOptions
 
@@ -32,6 +23,10 @@ from graftmerge.pipeline import graft_plan
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
 from graftmerge.pipeline.plan import plan_report
 from graftmerge.pipeline.sweep import SpillingWriter
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import read_model, tree_digest
+from tests.helpers.runners import one_line_error, run_cli
 
 TINY = torch.finfo(torch.float32).tiny
 

@@ -21,12 +21,14 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import graft_yaml, read_model, run_cli, run_process, tree_digest
 
 from graftmerge.cli import main
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.testing.smollm2 import smollm2_gguf
+from tests.helpers.configs import graft_yaml
+from tests.helpers.models import read_model, tree_digest
+from tests.helpers.runners import run_cli, run_process
 
 GGUF = smollm2_gguf()
 pytestmark = [

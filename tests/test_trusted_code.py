@@ -14,9 +14,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import copy_model, graft_yaml, run_cli, run_process, tree_digest
 
 from graftmerge.pipeline.delta_extract import extract_delta
+from tests.helpers.configs import graft_yaml
+from tests.helpers.models import copy_model, tree_digest
+from tests.helpers.runners import run_cli, run_process
 
 EVIL_MODULE = '''
 from pathlib import Path
