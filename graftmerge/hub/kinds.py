@@ -27,8 +27,9 @@ from graftmerge.formats.fisher_cache import FORMAT_VERSION as FISHER_VERSION
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.formats.lora_adapter import CONFIG_NAME as ADAPTER_CONFIG
 from graftmerge.formats.lora_adapter import WEIGHTS_NAME as ADAPTER_WEIGHTS
-from graftmerge.formats.lora_adapter import LoraAdapter, check_adapter_config, open_lora_adapter
+from graftmerge.formats.lora_adapter import LoraAdapter, open_lora_adapter
 from graftmerge.formats.manifest_schema import check_delta_manifest, check_fisher_manifest
+from graftmerge.formats.peft_rules import check_adapter_config
 from graftmerge.hub.artifacts import ArtifactKind
 from graftmerge.hub.cards import render_delta_card, render_fisher_card
 from graftmerge.math.finite import FLOAT32_MAX, largest_magnitude, product_bound

@@ -33,7 +33,8 @@ from graftmerge.formats.delta_folder import MANIFEST_NAME as DELTA_MANIFEST
 from graftmerge.formats.delta_folder import DeltaFolder, open_delta
 from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache, side_rank
 from graftmerge.formats.json_file import TOO_LONG_INTEGER
-from graftmerge.formats.lora_adapter import is_lora_adapter, open_lora_delta, open_lora_fine_tune
+from graftmerge.formats.lora_adapter import is_lora_adapter
+from graftmerge.formats.lora_sources import open_lora_delta, open_lora_fine_tune
 from graftmerge.hub.artifacts import resolve_artifact
 from graftmerge.hub.kinds import FISHER
 from graftmerge.hub.models import cached_model_folder
