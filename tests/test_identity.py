@@ -47,8 +47,8 @@ from graftmerge.adapter import import_hook
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import open_fisher_cache
-from graftmerge.hub.artifacts import pull_artifact
 from graftmerge.hub.kinds import FISHER
+from graftmerge.hub.pull import pull_artifact
 from graftmerge.testing.tiny_models import save_tiny_model
 
 Q0, Q1, O1 = (f"model.layers.{i}.self_attn.{p}_proj.weight" for i, p in ((0, "q"), (1, "q"), (1, "o")))

@@ -25,8 +25,9 @@ from test_hub import hub, offline, place_in_hf_cache  # noqa: F401 - hub is a fi
 from test_lora import graft_config, load_model, make_adapter, peft_deltas
 
 from graftmerge.errors import GraftError
-from graftmerge.hub.artifacts import pull_first_kind, push_artifact
 from graftmerge.hub.kinds import DELTA_KINDS, LORA_ADAPTER
+from graftmerge.hub.pull import pull_first_kind
+from graftmerge.hub.push import push_artifact
 from graftmerge.testing.tiny_models import make_graft_inputs
 
 REPO = "acme/tiny-lora"

@@ -35,9 +35,9 @@ from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache, side
 from graftmerge.formats.json_file import TOO_LONG_INTEGER
 from graftmerge.formats.lora_adapter import is_lora_adapter
 from graftmerge.formats.lora_sources import open_lora_delta, open_lora_fine_tune
-from graftmerge.hub.artifacts import resolve_artifact
 from graftmerge.hub.kinds import FISHER
 from graftmerge.hub.models import cached_model_folder
+from graftmerge.hub.pull import resolve_artifact
 from graftmerge.hub.untrusted import is_config_file, read_json_bytes, without_remote_code
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.projection import TensorFisher
