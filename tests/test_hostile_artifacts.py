@@ -43,7 +43,7 @@ from test_hub import hub  # noqa: F401 - a fixture
 
 from graftmerge.cli import main
 from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.formats.fisher_cache import check_orthonormal
+from graftmerge.math.eigenbasis import check_orthonormal
 from graftmerge.pipeline.delta_extract import extract_delta
 
 SHARD = "model-00011-of-00011.safetensors"  # of the tiny model: norm, both layer-1 norms, layer-1 down_proj
