@@ -36,8 +36,8 @@ from conftest import (
 
 from graftmerge.adapter import import_hook
 from graftmerge.errors import GraftError
+from graftmerge.pipeline.config_files import read_merge_config
 from graftmerge.pipeline.delta_extract import extract_delta, extract_lora
-from graftmerge.pipeline.graft_plan import read_merge_config
 from graftmerge.testing.tiny_models import tiny_config
 
 HUGE = "1" + "0" * 5000  # past Python's 4300-digit int/str conversion limit
