@@ -51,13 +51,9 @@ from mergekit.options import MergeOptions
 
 from graftmerge.adapter import import_hook
 from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.formats.fisher_cache import (
-    FisherCacheWriter,
-    KfacFactors,
-    check_orthonormal,
-    side_rank,
-)
+from graftmerge.formats.fisher_cache import FisherCacheWriter, KfacFactors, side_rank
 from graftmerge.formats.rotation_store import RotationStore
+from graftmerge.math.eigenbasis import check_orthonormal
 from graftmerge.math.projection import KFAC_ROTATIONS, TensorFisher, remove_masked, score_delta
 from graftmerge.math.selection import mask_from_threshold
 from graftmerge.pipeline.fisher_compress import compress_cache

@@ -21,7 +21,8 @@ from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.global_threshold import ThresholdSearch
 from graftmerge.math.scores import diagonal_scores
 from graftmerge.math.selection import masked_count
-from graftmerge.pipeline.graft_plan import GraftInputs, read_graft_config
+from graftmerge.pipeline.config_files import read_graft_config
+from graftmerge.pipeline.graft_plan import GraftInputs
 from graftmerge.pipeline.threshold_pass import compute_global_threshold
 
 

@@ -28,14 +28,8 @@ from safetensors.torch import load_file
 
 from graftmerge.errors import GraftError
 from graftmerge.formats import bounded_regex
-from graftmerge.formats.lora_adapter import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    check_adapter_config,
-    open_lora_adapter,
-    pattern_key,
-    peft_adapts,
-)
+from graftmerge.formats.lora_adapter import CONFIG_NAME, WEIGHTS_NAME, open_lora_adapter
+from graftmerge.formats.peft_rules import check_adapter_config, pattern_key, peft_adapts
 from graftmerge.pipeline.lora_inputs import lora_delta_state_dict
 from graftmerge.testing.tiny_models import ARCHITECTURES, make_graft_inputs, save_tiny_model
 from tests.helpers.configs import graft_yaml
@@ -363,7 +357,7 @@ def test_python_s_meaning_is_kept_where_re2_syntax_differs():
 def test_a_huge_class_name_in_the_adapter_or_the_model_is_compared_in_bounded_time(tmp_path, models):
     """The model family is a suffix search on auto_mapping's class name and the model's architectures:
     quadratic in the name's length, so a name longer than any class name is compared whole."""
-    from graftmerge.formats.lora_adapter import check_architecture
+    from graftmerge.formats.lora_binding import check_architecture
 
     adapter = with_config(models["lists"], tmp_path / "adapter",
                           {"auto_mapping": {"base_model_class": "ForA" * 50_000 + "!", "parent_library": "x"}})

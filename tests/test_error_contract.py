@@ -27,8 +27,8 @@ import yaml
 
 from graftmerge.adapter import import_hook
 from graftmerge.errors import GraftError
+from graftmerge.pipeline.config_files import read_merge_config
 from graftmerge.pipeline.delta_extract import extract_delta, extract_lora
-from graftmerge.pipeline.graft_plan import read_merge_config
 from graftmerge.testing.tiny_models import tiny_config
 from tests.helpers.configs import graft_yaml
 from tests.helpers.fisher_caches import write_mixed_cache

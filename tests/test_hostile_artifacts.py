@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from graftmerge.cli import main
 from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.formats.fisher_cache import check_orthonormal
+from graftmerge.math.eigenbasis import check_orthonormal
 from graftmerge.pipeline.delta_extract import extract_delta
 from tests.helpers.configs import graft_yaml
 from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache

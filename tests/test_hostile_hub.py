@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from graftmerge.cli import main
 from graftmerge.errors import GraftError
 from graftmerge.formats.fisher_cache import open_fisher_cache
-from graftmerge.hub.artifacts import resolve_artifact
 from graftmerge.hub.kinds import FISHER
 from graftmerge.hub.models import cached_model_folder
+from graftmerge.hub.pull import resolve_artifact
 from graftmerge.hub.references import HubReference, hub_reference_or_none, parse_hub_reference
 from graftmerge.hub.untrusted import without_remote_code
 from tests.helpers.estimation import make_model, random_rollouts, write_jsonl

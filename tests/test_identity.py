@@ -36,8 +36,8 @@ from graftmerge.adapter import import_hook
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import open_fisher_cache
-from graftmerge.hub.artifacts import pull_artifact
 from graftmerge.hub.kinds import FISHER
+from graftmerge.hub.pull import pull_artifact
 from graftmerge.testing.tiny_models import save_tiny_model
 from tests.helpers.configs import graft_yaml
 from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache

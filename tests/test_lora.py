@@ -25,12 +25,8 @@ from graftmerge.adapter import import_hook
 from graftmerge.cli import main
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.formats.lora_adapter import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    open_lora_adapter,
-    open_lora_delta,
-)
+from graftmerge.formats.lora_adapter import CONFIG_NAME, WEIGHTS_NAME, open_lora_adapter
+from graftmerge.formats.lora_sources import open_lora_delta
 from graftmerge.math import projection
 from graftmerge.math.low_rank import low_rank_rotate
 from graftmerge.math.scores import kfac_rotate
@@ -396,7 +392,7 @@ def test_which_modules_an_adapter_may_adapt_is_peft_s_own_rule(tmp_path):
     layers_to_transform / layers_pattern / exclude_modules: graftmerge and PEFT agree."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    from graftmerge.formats.lora_adapter import check_adapter_config, peft_adapts
+    from graftmerge.formats.peft_rules import check_adapter_config, peft_adapts
 
     names = list(EXTRA_MODULE_NAMES)
     for architecture in ("qwen3", "gpt2"):

@@ -36,7 +36,7 @@ from graftmerge.formats.output_folder import (
     OutputFolder,
     lock_path,
 )
-from graftmerge.hub import artifacts
+from graftmerge.hub import pull
 from graftmerge.pipeline import delta_extract, sweep
 from graftmerge.testing.smollm2 import smollm2_gguf
 from tests.helpers.configs import graft_yaml
@@ -550,17 +550,17 @@ def test_pull_overwrite_keeps_the_old_folder_on_failure_and_is_locked_out(fake, 
     cache = write_sharded_cache(tmp_path / "post-mixed", tied_models["post"], source="acme/tiny-post")
     assert invoke(fisher_push, str(cache), REPO).exit_code == 0
     out = write_folder(tmp_path / "pulled" / "out", {"fisher_manifest.json": "{}", "old.safetensors": "old"})
-    real_fill = artifacts.fill_folder
+    real_fill = pull.fill_folder
 
     def fill_then_fail(staging, *args):
         real_fill(staging, *args)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(artifacts, "fill_folder", fill_then_fail)
+    monkeypatch.setattr(pull, "fill_folder", fill_then_fail)
     with pytest.raises(OSError):
         invoke(fisher_pull, REPO, "-o", str(out), "--overwrite")
     assert contents(out) == {"fisher_manifest.json": "{}", "old.safetensors": "old"} and beside(out) == []
-    monkeypatch.setattr(artifacts, "fill_folder", real_fill)
+    monkeypatch.setattr(pull, "fill_folder", real_fill)
     holder = hold_lock(out)
     try:
         downloads = len(fake.downloads)

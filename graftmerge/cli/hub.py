@@ -1,7 +1,7 @@
 """``graftmerge fisher push|pull`` and ``graftmerge delta push|pull``: thin click wrappers.
 
 One factory per direction, so a kind of artifact gets both commands from its
-:class:`~graftmerge.hub.artifacts.ArtifactKind` alone; ``delta pull`` takes either of
+:class:`~graftmerge.hub.artifact_kind.ArtifactKind` alone; ``delta pull`` takes either of
 two kinds (a graftmerge delta, a PEFT LoRA adapter), whichever the repo is.
 """
 
@@ -13,9 +13,11 @@ import click
 
 from graftmerge.cli import report_errors
 from graftmerge.formats.json_file import load_json_file
-from graftmerge.hub.artifacts import ArtifactKind, PullResult, pull_first_kind, push_artifact
+from graftmerge.hub.artifact_kind import ArtifactKind
 from graftmerge.hub.cards import human_bytes
 from graftmerge.hub.kinds import DELTA, DELTA_KINDS, FISHER, LORA_ADAPTER
+from graftmerge.hub.pull import PullResult, pull_first_kind
+from graftmerge.hub.push import push_artifact
 from graftmerge.hub.references import parse_hub_reference
 
 TOKEN_HELP = "Hub token (default: $HF_TOKEN, or the one saved by `hf auth login`)."

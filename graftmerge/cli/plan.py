@@ -69,7 +69,7 @@ def plan(config_file: str, rho_list: str, device: str, json_path: str | None, no
     graftmerge plan graft.yml --rho 0.01 --json plan.json
     """
     # lazy: the graft plan loads torch and mergekit; only when the command runs, so --help stays fast
-    from graftmerge.pipeline.graft_plan import read_graft_config
+    from graftmerge.pipeline.config_files import read_graft_config
     from graftmerge.pipeline.plan import format_report, plan_report, report_json
 
     rhos = parse_values(rho_list, "--rho", rho=True)

@@ -23,7 +23,8 @@ from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.delta_folder import DeltaFolder, open_delta
 from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache
-from graftmerge.formats.lora_adapter import LoraDelta, is_lora_adapter, open_lora_delta
+from graftmerge.formats.lora_adapter import is_lora_adapter
+from graftmerge.formats.lora_sources import LoraDelta, open_lora_delta
 from graftmerge.math.delta_stats import block_of, kfac_diagonal, l2_norm, natural_key, weighted_mass
 from graftmerge.math.global_threshold import ThresholdSearch
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask

@@ -28,7 +28,7 @@ from transformers import AutoConfig
 from graftmerge.errors import GraftError
 from graftmerge.formats.json_file import load_json_file
 from graftmerge.formats.lora_adapter import is_lora_adapter
-from graftmerge.pipeline.graft_plan import resolve_model_folder
+from graftmerge.hub.models import resolve_model_folder
 
 CONFIG_NAME = "config.json"
 

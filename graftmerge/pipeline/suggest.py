@@ -26,7 +26,8 @@ from graftmerge.math.suggestion import (
     remaining_mass,
     removed_share_knee,
 )
-from graftmerge.pipeline.graft_plan import GraftInputs, read_graft_config
+from graftmerge.pipeline.config_files import read_graft_config
+from graftmerge.pipeline.graft_plan import GraftInputs
 from graftmerge.pipeline.plan import plan_report
 
 DEFAULT_KL_BUDGET = 0.05  # nats per completion token on the old task
