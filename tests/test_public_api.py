@@ -9,6 +9,7 @@ one; the old ``graftmerge.fisher`` path still works, with a DeprecationWarning.
 from __future__ import annotations
 
 import ast
+import re
 import importlib
 import subprocess
 import sys
@@ -168,3 +169,12 @@ def test_the_old_fisher_path_works_and_warns():
         assert old.open_fisher_cache is graftmerge.open_fisher_cache
     with pytest.raises(AttributeError):
         old.write_cache  # noqa: B018 - never a name of the old package
+
+
+def test_the_api_reference_renders_every_export_from_where_it_lives():
+    """docs/reference.md has one ``:::`` entry per public name, at the path the export map names,
+    so the reference can neither miss a name nor point at a module it moved out of."""
+    page = (ROOT / "docs" / "reference.md").read_text()
+    rendered = set(re.findall(r"^::: ([\w.]+)$", page, flags=re.M))
+    expected = {target.replace(":", ".") for target in graftmerge._EXPORTS.values()}
+    assert rendered == expected
