@@ -59,7 +59,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             compute_global_threshold(inputs, progress=False, rotations=RotationStore(scratch))
 
-    print(f"{len(names)} ranked tensors, {len(blocks)} row blocks, {total / 1e9:.3f}B directions; best of {args.repeats}")
+    print(
+        f"{len(names)} ranked tensors, {len(blocks)} row blocks, {total / 1e9:.3f}B directions; best of {args.repeats}"
+    )
     print(f"  read Δ and Fisher          {best(args.repeats, read):6.2f} s")
     if diagonal:
         print(f"  read + score (all kept)    {best(args.repeats, scores):6.2f} s")

@@ -314,7 +314,12 @@ def test_stats_cli_prints_table_and_writes_png_and_json(tmp_path, deltas, mixed_
     saved = json.loads(numbers.read_text())
     expected = compute_stats(deltas["ft"], mixed_cache, progress=False)
     assert saved["total"]["global_top_share"] == pytest.approx(expected.total().global_top_share, rel=1e-12)
-    assert [b["name"] for b in saved["blocks"]] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]
+    assert [b["name"] for b in saved["blocks"]] == [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.norm",
+    ]
 
     plain = invoke("delta", "stats", deltas["ft"], "--plot", tmp_path / "plain.png", "--blocks-only", "-q")
     assert plain.exit_code == 0, plain.output

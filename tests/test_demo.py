@@ -41,7 +41,10 @@ def test_demo_writes_consistent_artefacts(tmp_path: Path) -> None:
     assert minimal["eps_donor"] < minimal["eps_post"]
     for method in ("sft", "sft_merge", "graft"):
         start = minimal["curves"][method][0]  # λ = 0 / zero steps: θpost itself
-        assert (start["loss_a"], start["loss_b"]) == (minimal["post_losses"]["loss_a"], minimal["post_losses"]["loss_b"])
+        assert (start["loss_a"], start["loss_b"]) == (
+            minimal["post_losses"]["loss_a"],
+            minimal["post_losses"]["loss_b"],
+        )
 
     post, grafted = Checkpoint(tmp_path / "post"), Checkpoint(tmp_path / "grafted")
     assert set(post.tensors) == set(grafted.tensors)

@@ -72,7 +72,9 @@ def test_rho_zero_float32_differs_from_task_arithmetic_only_by_its_rounding(tmp_
     """task_arithmetic rounds donor + (post − donor) + λ(ft − donor); graft adds λΔ to post."""
     m = tied_models
     graft = read_model(merge(tmp_path, graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.7)]), "graft"))
-    ta = read_model(merge(tmp_path, task_arithmetic_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.7)], "float32"), "ta"))
+    ta = read_model(
+        merge(tmp_path, task_arithmetic_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.7)], "float32"), "ta")
+    )
     inputs = [read_model(m[key]) for key in ("donor", "post", "donor_ft")]
     for name in graft:
         scale = torch.stack([graft[name].abs()] + [x[name].abs() for x in inputs]).amax(0)
@@ -153,7 +155,9 @@ def test_threshold_pass_is_cached_between_runs(tmp_path, tied_models, tied_diag_
     assert first.returncode == second.returncode == 0, second.stderr
     assert "graft threshold: scoring" in first.stderr
     assert "graft threshold" not in second.stderr
-    assert all(torch.equal(x, y) for x, y in zip(read_model(tmp_path / "a").values(), read_model(tmp_path / "b").values()))
+    assert all(
+        torch.equal(x, y) for x, y in zip(read_model(tmp_path / "a").values(), read_model(tmp_path / "b").values())
+    )
 
 
 def test_graftmerge_merge_equals_mergekit_yaml(tmp_path, tied_models, tied_diag_cache):
@@ -204,7 +208,12 @@ def test_example_configs_run_as_written(tmp_path, tied_models):
     """Every merge_configs/*.yml runs through mergekit-yaml next to the folders it names."""
 
     m = tied_models
-    for link, target in (("post", m["post"]), ("base", m["donor"]), ("base-ft", m["donor_ft"]), ("base-ft2", m["donor_ft2"])):
+    for link, target in (
+        ("post", m["post"]),
+        ("base", m["donor"]),
+        ("base-ft", m["donor_ft"]),
+        ("base-ft2", m["donor_ft2"]),
+    ):
         (tmp_path / link).symlink_to(target)
     write_diagonal_cache(tmp_path / "fisher" / "post-diag", m["post"])
     write_mixed_cache(tmp_path / "fisher" / "post-kfac", m["post"])
@@ -227,7 +236,9 @@ def test_kernel_uses_the_validated_plan_and_one_threshold_pass(tmp_path, tied_mo
     import_hook.install()
     calls = []
     original = threshold_pass.compute_global_threshold
-    monkeypatch.setattr(threshold_pass, "compute_global_threshold", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(
+        threshold_pass, "compute_global_threshold", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
     monkeypatch.setenv("GRAFTMERGE_CACHE_DIR", str(tmp_path / "threshold-cache"))
     m = tied_models
     config = tmp_path / "g.yml"

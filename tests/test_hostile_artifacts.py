@@ -186,53 +186,92 @@ def drop_tensor(folder: Path) -> Path:
 
 
 MODEL_CASES = {
-    "truncated shard": model_case(lambda f: (f / SHARD).write_bytes((f / SHARD).read_bytes()[:-10]), "truncated or corrupt"),
-    "trailing bytes": model_case(lambda f: (f / SHARD).write_bytes((f / SHARD).read_bytes() + b"\0" * 16),
-                                 "truncated or corrupt"),
-    "header length 2^62": model_case(lambda f: (f / SHARD).write_bytes(struct.pack("<Q", 2**62) + (f / SHARD).read_bytes()[8:]),
-                                     "corrupt or truncated safetensors header"),
+    "truncated shard": model_case(
+        lambda f: (f / SHARD).write_bytes((f / SHARD).read_bytes()[:-10]), "truncated or corrupt"
+    ),
+    "trailing bytes": model_case(
+        lambda f: (f / SHARD).write_bytes((f / SHARD).read_bytes() + b"\0" * 16), "truncated or corrupt"
+    ),
+    "header length 2^62": model_case(
+        lambda f: (f / SHARD).write_bytes(struct.pack("<Q", 2**62) + (f / SHARD).read_bytes()[8:]),
+        "corrupt or truncated safetensors header",
+    ),
     "five-byte file": model_case(lambda f: (f / SHARD).write_bytes(b"abcde"), "not a safetensors file"),
     "header not JSON": model_case(shard_edit(lambda s: write_raw(s, b"{" + b"x" * 40, read_raw(s)[1])), "not JSON"),
     "header is a list": model_case(shard_edit(lambda s: write_raw(s, b"[1, 2]", read_raw(s)[1])), "not a JSON object"),
     "header repeats a tensor": model_case(shard_edit(lambda s: duplicate_key(s, NORM)), f"key '{NORM}' appears twice"),
-    "header nested 200k deep": model_case(shard_edit(lambda s: write_raw(s, deep_json('{"__metadata__": '),
-                                                                         read_raw(s)[1])), "nested too deeply"),
-    "metadata not str to str": model_case(shard_edit(lambda s: edit_header(s, lambda h: h.update(__metadata__={"format": 1}))),
-                                          "__metadata__ is not a map of strings to strings"),
-    "entry without data_offsets": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].pop("data_offsets"))),
-                                             f"corrupt header entry for tensor '{NORM}'"),
-    "entry with an extra key": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(crc=1))),
-                                          f"corrupt header entry for tensor '{NORM}'"),
-    "unknown dtype": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(dtype="F128"))),
-                                f"tensor '{NORM}' has unsupported dtype F128"),
-    "float dimension": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[64.0]))),
-                                  f"tensor '{NORM}' (shape [64.0]"),
-    "bool dimension": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[True, 64]))),
-                                 f"tensor '{NORM}' (shape [True, 64]"),
-    "negative dimension": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[-64]))),
-                                     f"tensor '{NORM}' (shape [-64]"),
-    "float offsets": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(
-        data_offsets=[float(o) for o in h[NORM]["data_offsets"]]))), f"tensor '{NORM}' (data_offsets"),
-    "overlapping offsets": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[LN2].update(
-        data_offsets=h[LN1]["data_offsets"]))), "overlaps the tensor before it"),
+    "header nested 200k deep": model_case(
+        shard_edit(lambda s: write_raw(s, deep_json('{"__metadata__": '), read_raw(s)[1])), "nested too deeply"
+    ),
+    "metadata not str to str": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h.update(__metadata__={"format": 1}))),
+        "__metadata__ is not a map of strings to strings",
+    ),
+    "entry without data_offsets": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].pop("data_offsets"))),
+        f"corrupt header entry for tensor '{NORM}'",
+    ),
+    "entry with an extra key": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(crc=1))),
+        f"corrupt header entry for tensor '{NORM}'",
+    ),
+    "unknown dtype": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(dtype="F128"))),
+        f"tensor '{NORM}' has unsupported dtype F128",
+    ),
+    "float dimension": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[64.0]))), f"tensor '{NORM}' (shape [64.0]"
+    ),
+    "bool dimension": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[True, 64]))),
+        f"tensor '{NORM}' (shape [True, 64]",
+    ),
+    "negative dimension": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[-64]))), f"tensor '{NORM}' (shape [-64]"
+    ),
+    "float offsets": model_case(
+        shard_edit(
+            lambda s: edit_header(s, lambda h: h[NORM].update(data_offsets=[float(o) for o in h[NORM]["data_offsets"]]))
+        ),
+        f"tensor '{NORM}' (data_offsets",
+    ),
+    "overlapping offsets": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[LN2].update(data_offsets=h[LN1]["data_offsets"]))),
+        "overlaps the tensor before it",
+    ),
     "gap before the first tensor": model_case(shard_edit(gap), "leaves a gap before it"),
-    "offsets shorter than the shape": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(
-        data_offsets=[h[NORM]["data_offsets"][0], h[NORM]["data_offsets"][1] - 4]))),
-        f"tensor '{NORM}' offsets do not match its shape"),
-    "transposed shape": model_case(lambda f: edit_header(f / SHARD, lambda h: h[DOWN].update(shape=[96, 64])) or f,
-                                   f"shape mismatch for {DOWN}"),
-    "wrong shape": model_case(lambda f: edit_tensors(f / SHARD, lambda t: t.update({NORM: torch.zeros(3)})) or f,
-                              f"shape mismatch for {NORM}"),
+    "offsets shorter than the shape": model_case(
+        shard_edit(
+            lambda s: edit_header(
+                s, lambda h: h[NORM].update(data_offsets=[h[NORM]["data_offsets"][0], h[NORM]["data_offsets"][1] - 4])
+            )
+        ),
+        f"tensor '{NORM}' offsets do not match its shape",
+    ),
+    "transposed shape": model_case(
+        lambda f: edit_header(f / SHARD, lambda h: h[DOWN].update(shape=[96, 64])) or f, f"shape mismatch for {DOWN}"
+    ),
+    "wrong shape": model_case(
+        lambda f: edit_tensors(f / SHARD, lambda t: t.update({NORM: torch.zeros(3)})) or f, f"shape mismatch for {NORM}"
+    ),
     "missing tensor": model_case(drop_tensor, f"missing from donor_ft {{folder}}: {NORM}"),
-    "index puts a tensor in the wrong shard": model_case(index_edit(lambda i: i["weight_map"].update(
-        {NORM: "model-00001-of-00011.safetensors"})), f"lists tensor '{NORM}' in model-00001-of-00011.safetensors"),
-    "index omits a tensor": model_case(index_edit(lambda i: i["weight_map"].pop(NORM)), f"does not list tensor '{NORM}'"),
-    "index names a shard outside": model_case(index_edit(lambda i: i["weight_map"].update({NORM: "../x.safetensors"})),
-                                              "'../x.safetensors' is not a .safetensors file inside the folder"),
+    "index puts a tensor in the wrong shard": model_case(
+        index_edit(lambda i: i["weight_map"].update({NORM: "model-00001-of-00011.safetensors"})),
+        f"lists tensor '{NORM}' in model-00001-of-00011.safetensors",
+    ),
+    "index omits a tensor": model_case(
+        index_edit(lambda i: i["weight_map"].pop(NORM)), f"does not list tensor '{NORM}'"
+    ),
+    "index names a shard outside": model_case(
+        index_edit(lambda i: i["weight_map"].update({NORM: "../x.safetensors"})),
+        "'../x.safetensors' is not a .safetensors file inside the folder",
+    ),
     "index without weight_map": model_case(write_index(b'{"metadata": {}}'), "no `weight_map`"),
     "index nested 200k deep": model_case(write_index(deep_json('{"weight_map": {}, "deep": ')), "nested deeper than"),
-    "index repeats a key": model_case(lambda f: duplicate_key(f / "model.safetensors.index.json", "weight_map")
-                                      or f / "model.safetensors.index.json", "key 'weight_map' appears twice"),
+    "index repeats a key": model_case(
+        lambda f: duplicate_key(f / "model.safetensors.index.json", "weight_map") or f / "model.safetensors.index.json",
+        "key 'weight_map' appears twice",
+    ),
 }
 
 
@@ -297,54 +336,109 @@ def first_factor(manifest: dict) -> dict:
 
 FISHER_CASES = {
     "manifest without entries": Case("fisher", manifest_edit(lambda m: m.pop("entries")), "no `entries`"),
-    "manifest nested 200k deep": Case("fisher", manifest_bytes(lambda text: deep_json(text.rstrip()[:-1] + ', "deep": ')),
-                                      "nested deeper than 32 levels"),
-    "manifest repeats a key": Case("fisher", lambda f: duplicate_key(f / "fisher_manifest.json", "kind")
-                                   or f / "fisher_manifest.json", "key 'kind' appears twice"),
-    "manifest not JSON": Case("fisher", manifest_bytes(lambda text: text[: len(text) // 2].encode()), "corrupt manifest"),
-    "format_version true": Case("fisher", manifest_edit(lambda m: m.update(format_version=True)),
-                                "format version True is not supported"),
+    "manifest nested 200k deep": Case(
+        "fisher",
+        manifest_bytes(lambda text: deep_json(text.rstrip()[:-1] + ', "deep": ')),
+        "nested deeper than 32 levels",
+    ),
+    "manifest repeats a key": Case(
+        "fisher",
+        lambda f: duplicate_key(f / "fisher_manifest.json", "kind") or f / "fisher_manifest.json",
+        "key 'kind' appears twice",
+    ),
+    "manifest not JSON": Case(
+        "fisher", manifest_bytes(lambda text: text[: len(text) // 2].encode()), "corrupt manifest"
+    ),
+    "format_version true": Case(
+        "fisher", manifest_edit(lambda m: m.update(format_version=True)), "format version True is not supported"
+    ),
     "unknown kind": Case("fisher", manifest_edit(lambda m: m.update(kind="weird")), "`kind` is 'weird'"),
     "entries is a list": Case("fisher", manifest_edit(lambda m: m.update(entries=[1, 2])), "`entries` is list"),
-    "unknown representation": Case("fisher", manifest_edit(lambda m: m["entries"][NORM].update(representation="full")),
-                                   f"entries['{NORM}']` has representation 'full'"),
-    "unknown factor key": Case("fisher", manifest_edit(lambda m: m["entries"][Q]["kfac"].update(rows="kfac/nope/rows")),
-                               "names factor 'kfac/nope/rows', which `factors` does not have"),
-    "diagonal key not filed": Case("fisher", manifest_edit(lambda m: m["files"].pop(NORM)),
-                                   f"tensor {NORM!r} is named but `files` has no shard for it"),
-    "diagonal keyed by another name": Case("fisher", manifest_edit(lambda m: m["entries"][NORM]["diagonal"].update(
-        key="nope")), "names tensor 'nope'; a diagonal is stored under its weight's own name"),
-    "files names a path outside": Case("fisher", manifest_edit(lambda m: m["files"].update({NORM: "../x.safetensors"})),
-                                       "'../x.safetensors', not a .safetensors file inside the cache"),
-    "factor rank above size": Case("fisher", manifest_edit(lambda m: first_factor(m).update(rank=10**6)), "rank 1000000"),
-    "factor with an unknown field": Case("fisher", manifest_edit(lambda m: first_factor(m).update(scale=2)),
-                                         "has unknown field 'scale'"),
-    "model.tensors with a float dimension": Case("fisher", manifest_edit(lambda m: m["model"]["tensors"][NORM].update(
-        shape=[64.5])), f"model.tensors['{NORM}']` has shape [64.5]"),
-    "entry for a tensor the model lacks": Case("fisher", manifest_edit(lambda m: m["entries"].update(
-        {"model.bogus.weight": m["entries"][NORM]})), "entry for 'model.bogus.weight', which is not a tensor"),
-    "diagonal stored F16": Case("fisher", cache_tensor("diag", lambda t: t.half()), "is F16 [64]; the format stores F32"),
-    "diagonal stored I64": Case("fisher", cache_tensor("diag", lambda t: t.long()), "is I64 [64]; the format stores F32"),
-    "diagonal stored BOOL": Case("fisher", cache_tensor("diag", lambda t: t > 0.5), "is BOOL [64]; the format stores F32"),
+    "unknown representation": Case(
+        "fisher",
+        manifest_edit(lambda m: m["entries"][NORM].update(representation="full")),
+        f"entries['{NORM}']` has representation 'full'",
+    ),
+    "unknown factor key": Case(
+        "fisher",
+        manifest_edit(lambda m: m["entries"][Q]["kfac"].update(rows="kfac/nope/rows")),
+        "names factor 'kfac/nope/rows', which `factors` does not have",
+    ),
+    "diagonal key not filed": Case(
+        "fisher",
+        manifest_edit(lambda m: m["files"].pop(NORM)),
+        f"tensor {NORM!r} is named but `files` has no shard for it",
+    ),
+    "diagonal keyed by another name": Case(
+        "fisher",
+        manifest_edit(lambda m: m["entries"][NORM]["diagonal"].update(key="nope")),
+        "names tensor 'nope'; a diagonal is stored under its weight's own name",
+    ),
+    "files names a path outside": Case(
+        "fisher",
+        manifest_edit(lambda m: m["files"].update({NORM: "../x.safetensors"})),
+        "'../x.safetensors', not a .safetensors file inside the cache",
+    ),
+    "factor rank above size": Case(
+        "fisher", manifest_edit(lambda m: first_factor(m).update(rank=10**6)), "rank 1000000"
+    ),
+    "factor with an unknown field": Case(
+        "fisher", manifest_edit(lambda m: first_factor(m).update(scale=2)), "has unknown field 'scale'"
+    ),
+    "model.tensors with a float dimension": Case(
+        "fisher",
+        manifest_edit(lambda m: m["model"]["tensors"][NORM].update(shape=[64.5])),
+        f"model.tensors['{NORM}']` has shape [64.5]",
+    ),
+    "entry for a tensor the model lacks": Case(
+        "fisher",
+        manifest_edit(lambda m: m["entries"].update({"model.bogus.weight": m["entries"][NORM]})),
+        "entry for 'model.bogus.weight', which is not a tensor",
+    ),
+    "diagonal stored F16": Case(
+        "fisher", cache_tensor("diag", lambda t: t.half()), "is F16 [64]; the format stores F32"
+    ),
+    "diagonal stored I64": Case(
+        "fisher", cache_tensor("diag", lambda t: t.long()), "is I64 [64]; the format stores F32"
+    ),
+    "diagonal stored BOOL": Case(
+        "fisher", cache_tensor("diag", lambda t: t > 0.5), "is BOOL [64]; the format stores F32"
+    ),
     "eigenvalues stored F64": Case("fisher", cache_tensor("rows/eigenvalues", lambda t: t.double()), "is F64 [64]"),
-    "eigenvectors of the wrong shape": Case("fisher", cache_tensor("columns/eigenvectors", lambda t: t[:, :63]),
-                                            "is F32 [64, 63]; the format stores F32 [64, 64]"),
+    "eigenvectors of the wrong shape": Case(
+        "fisher",
+        cache_tensor("columns/eigenvectors", lambda t: t[:, :63]),
+        "is F32 [64, 63]; the format stores F32 [64, 64]",
+    ),
     "tensor missing from its shard": Case("fisher", drop_key, f"has no tensor '{NORM}'"),
-    "shard missing": Case("fisher", lambda f: (f / "fisher-00001.safetensors").unlink() or f,
-                          "is missing shard(s) fisher-00001.safetensors"),
-    "shard truncated": Case("fisher", cache_shard(lambda s: s.write_bytes(s.read_bytes()[:-4])), "truncated or corrupt"),
-    "shard with overlapping offsets": Case("fisher", cache_shard(lambda s: edit_header(s, lambda h: h[LN2].update(
-        data_offsets=h[LN1]["data_offsets"]))), "overlaps the tensor before it"),
+    "shard missing": Case(
+        "fisher",
+        lambda f: (f / "fisher-00001.safetensors").unlink() or f,
+        "is missing shard(s) fisher-00001.safetensors",
+    ),
+    "shard truncated": Case(
+        "fisher", cache_shard(lambda s: s.write_bytes(s.read_bytes()[:-4])), "truncated or corrupt"
+    ),
+    "shard with overlapping offsets": Case(
+        "fisher",
+        cache_shard(lambda s: edit_header(s, lambda h: h[LN2].update(data_offsets=h[LN1]["data_offsets"]))),
+        "overlaps the tensor before it",
+    ),
     "diagonal NaN": Case("fisher", cache_tensor("diag", poke(float("nan"))), "contains NaN or Inf"),
     "diagonal Inf": Case("fisher", cache_tensor("diag", poke(float("inf"))), "contains NaN or Inf"),
     "diagonal negative": Case("fisher", cache_tensor("diag", poke(-1.0)), "contains negative entries"),
     "eigenvalue negative": Case("fisher", cache_tensor("rows/eigenvalues", poke(-1.0, 0)), "contains negative entries"),
     "eigenvalue NaN": Case("fisher", cache_tensor("columns/eigenvalues", poke(float("nan"), 1)), "contains NaN or Inf"),
-    "eigenvector NaN": Case("fisher", cache_tensor("columns/eigenvectors", poke(float("nan"), 70)), "contain NaN or Inf"),
+    "eigenvector NaN": Case(
+        "fisher", cache_tensor("columns/eigenvectors", poke(float("nan"), 70)), "contain NaN or Inf"
+    ),
     "eigenvectors scaled": Case("fisher", cache_tensor("rows/eigenvectors", lambda t: t * 1.5), "are not orthonormal"),
-    "adversarial eigenvectors V(I + 50 e1 wT)": Case("fisher", cache_tensor("rows/eigenvectors", adversarial),
-                                                     "are not orthonormal (max |VᵀV − I| = "),
-    "transposed 2-D diagonal": Case("diagfisher", cache_tensor(K, lambda t: t.T), "is F32 [64, 32]; the format stores F32 [32, 64]"),
+    "adversarial eigenvectors V(I + 50 e1 wT)": Case(
+        "fisher", cache_tensor("rows/eigenvectors", adversarial), "are not orthonormal (max |VᵀV − I| = "
+    ),
+    "transposed 2-D diagonal": Case(
+        "diagfisher", cache_tensor(K, lambda t: t.T), "is F32 [64, 32]; the format stores F32 [32, 64]"
+    ),
 }
 
 
@@ -383,29 +477,63 @@ def drop_delta_tensor(folder: Path) -> Path:
 
 DELTA_CASES = {
     "manifest without weight": Case("delta", delta_manifest(lambda m: m.pop("weight")), "no `weight`", rho=0.0),
-    "manifest weight NaN": Case("delta", delta_manifest(lambda m: m.update(weight=float("nan"))),
-                                "`weight` is nan, not a finite number", rho=0.0),
+    "manifest weight NaN": Case(
+        "delta",
+        delta_manifest(lambda m: m.update(weight=float("nan"))),
+        "`weight` is nan, not a finite number",
+        rho=0.0,
+    ),
     "manifest weight true": Case("delta", delta_manifest(lambda m: m.update(weight=True)), "`weight` is bool", rho=0.0),
-    "manifest dtype float16": Case("delta", delta_manifest(lambda m: m.update(dtype="float16")), "`dtype` is 'float16'",
-                                   rho=0.0),
-    "manifest sampled_sha256 not a sha256": Case("delta", delta_manifest(lambda m: m["donor"].update(sampled_sha256="x")),
-                                                 "`donor.sampled_sha256` is not a sha256", rho=0.0),
-    "manifest donor_ft tensors differ": Case("delta", delta_manifest(lambda m: m["donor_ft"]["tensors"].pop(NORM)),
-                                             "`donor.tensors` and `donor_ft.tensors` differ", rho=0.0),
-    "manifest format_version 2": Case("delta", delta_manifest(lambda m: m.update(format_version=2)),
-                                      "format version 2 is not supported", rho=0.0),
-    "manifest nested 200k deep": Case("delta", lambda f: write(f / "delta_manifest.json", deep_json(
-        (f / "delta_manifest.json").read_text().rstrip()[:-1] + ', "deep": ')), "nested deeper than 32 levels", rho=0.0),
-    "stored F16, manifest float32": Case("delta", delta_tensor(NORM, lambda t: t.half()),
-                                         f"delta tensor '{NORM}' is stored as F16, but the manifest says float32", rho=0.0),
-    "NaN in a delta (merge kernel)": Case("delta", delta_tensor(DOWN, poke(float("nan"), 100)),
-                                          f"delta tensor '{DOWN}' contains NaN or Inf", rho=0.0),
-    "Inf in a delta (threshold pass)": Case("delta", delta_tensor(DOWN, poke(float("-inf"), 7)),
-                                            f"delta tensor '{DOWN}' contains NaN or Inf", rho=0.01),
-    "delta shard truncated": Case("delta", lambda f: write(f / SHARD_OF_DELTA, (f / SHARD_OF_DELTA).read_bytes()[:-3]),
-                                  "truncated or corrupt", rho=0.0),
-    "delta index puts a tensor in the wrong shard": Case("delta", delta_index(lambda i: i["weight_map"].update(
-        {NORM: "nowhere.safetensors"})), "lists missing shard(s) nowhere.safetensors", rho=0.0),
+    "manifest dtype float16": Case(
+        "delta", delta_manifest(lambda m: m.update(dtype="float16")), "`dtype` is 'float16'", rho=0.0
+    ),
+    "manifest sampled_sha256 not a sha256": Case(
+        "delta",
+        delta_manifest(lambda m: m["donor"].update(sampled_sha256="x")),
+        "`donor.sampled_sha256` is not a sha256",
+        rho=0.0,
+    ),
+    "manifest donor_ft tensors differ": Case(
+        "delta",
+        delta_manifest(lambda m: m["donor_ft"]["tensors"].pop(NORM)),
+        "`donor.tensors` and `donor_ft.tensors` differ",
+        rho=0.0,
+    ),
+    "manifest format_version 2": Case(
+        "delta", delta_manifest(lambda m: m.update(format_version=2)), "format version 2 is not supported", rho=0.0
+    ),
+    "manifest nested 200k deep": Case(
+        "delta",
+        lambda f: write(
+            f / "delta_manifest.json", deep_json((f / "delta_manifest.json").read_text().rstrip()[:-1] + ', "deep": ')
+        ),
+        "nested deeper than 32 levels",
+        rho=0.0,
+    ),
+    "stored F16, manifest float32": Case(
+        "delta",
+        delta_tensor(NORM, lambda t: t.half()),
+        f"delta tensor '{NORM}' is stored as F16, but the manifest says float32",
+        rho=0.0,
+    ),
+    "NaN in a delta (merge kernel)": Case(
+        "delta", delta_tensor(DOWN, poke(float("nan"), 100)), f"delta tensor '{DOWN}' contains NaN or Inf", rho=0.0
+    ),
+    "Inf in a delta (threshold pass)": Case(
+        "delta", delta_tensor(DOWN, poke(float("-inf"), 7)), f"delta tensor '{DOWN}' contains NaN or Inf", rho=0.01
+    ),
+    "delta shard truncated": Case(
+        "delta",
+        lambda f: write(f / SHARD_OF_DELTA, (f / SHARD_OF_DELTA).read_bytes()[:-3]),
+        "truncated or corrupt",
+        rho=0.0,
+    ),
+    "delta index puts a tensor in the wrong shard": Case(
+        "delta",
+        delta_index(lambda i: i["weight_map"].update({NORM: "nowhere.safetensors"})),
+        "lists missing shard(s) nowhere.safetensors",
+        rho=0.0,
+    ),
     "delta tensor missing": Case("delta", drop_delta_tensor, "its tensors do not match its manifest", rho=0.0),
 }
 

@@ -147,7 +147,9 @@ def test_a_fisher_manifest_naming_a_bad_file_is_refused_before_use(fake, tmp_pat
     assert fake.downloads == ["fisher_manifest.json"]  # read to plan; nothing named in it was fetched
 
 
-@pytest.mark.parametrize("name", ["../../escape.safetensors", "x\x00.safetensors", "modeling_evil.py", "/abs.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["../../escape.safetensors", "x\x00.safetensors", "modeling_evil.py", "/abs.safetensors"]
+)
 def test_a_delta_index_naming_a_bad_file_is_refused_before_use(fake, tmp_path, name):
     manifest = {"format": "graftmerge.delta", "format_version": 1}
     index = {"metadata": {}, "weight_map": {"w": name}}

@@ -36,10 +36,14 @@ from tests.helpers.runners import invoke, one_line_error, run_cli
 
 @pytest.fixture(scope="module")
 def cache(tied_models, tmp_path_factory) -> Path:
-    return write_sharded_cache(tmp_path_factory.mktemp("hub") / "post-mixed", tied_models["post"], source="acme/tiny-post")
+    return write_sharded_cache(
+        tmp_path_factory.mktemp("hub") / "post-mixed", tied_models["post"], source="acme/tiny-post"
+    )
 
 
-def merge(tmp_path: Path, models, fisher: str, name: str, tool=("mergekit-yaml",), post=None, donor=None, ft=None) -> dict:
+def merge(
+    tmp_path: Path, models, fisher: str, name: str, tool=("mergekit-yaml",), post=None, donor=None, ft=None
+) -> dict:
     config = tmp_path / f"{name}.yml"
     config.write_text(graft_yaml(post or models["post"], donor or models["donor"], [(ft or models["donor_ft"], 0.8)],
                                  rho=0.05, fisher=fisher))
@@ -164,7 +168,9 @@ def test_push_pull_merge_equals_the_local_cache(hub, cache, tied_models, tmp_pat
     assert_same_model(local, via_ids)
 
 
-def test_partial_pull_fetches_only_needed_shards_and_merges_like_a_smaller_cache(hub, cache, tied_models, tmp_path, monkeypatch):
+def test_partial_pull_fetches_only_needed_shards_and_merges_like_a_smaller_cache(
+    hub, cache, tied_models, tmp_path, monkeypatch
+):
     assert invoke(fisher_push, str(cache), REPO).exit_code == 0
     wanted = lambda name: ".layers.1.self_attn." in name or name == "model.norm.weight"  # noqa: E731
     out = tmp_path / "partial"
@@ -258,7 +264,9 @@ def test_pull_bad_inputs_say_what_to_do(hub, cache, tmp_path, monkeypatch):
     offline(monkeypatch)
     message = one_line_error(invoke(fisher_pull, "acme/never-pulled@v3"))
     assert "not in the local Hugging Face cache" in message and "graftmerge fisher pull acme/never-pulled@v3" in message
-    with pytest.raises(GraftError, match=r"not a local folder.*graftmerge fisher pull acme/never-pulled@v3.*\./acme/never-pulled@v3"):
+    with pytest.raises(
+        GraftError, match=r"not a local folder.*graftmerge fisher pull acme/never-pulled@v3.*\./acme/never-pulled@v3"
+    ):
         resolve_fisher_folder("acme/never-pulled@v3")
 
 

@@ -153,7 +153,9 @@ def test_estimated_cache_drives_kfac_and_diagonal_grafts(tmp_path, tied_models):
         diagonal_applied = outputs["diagonal"][name] - post[name]
         if fisher.has(name, "diagonal"):
             diagonal = fisher.diagonal(name)
-            assert float((diagonal * diagonal_applied.square()).sum()) <= float((diagonal * full.square()).sum()) * (1 + 1e-5)
+            assert float((diagonal * diagonal_applied.square()).sum()) <= float((diagonal * full.square()).sum()) * (
+                1 + 1e-5
+            )
     name = "model.layers.0.mlp.down_proj.weight"
     assert fisher.representation(name) == "kfac"
     f = fisher.kfac(name)

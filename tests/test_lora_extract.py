@@ -266,7 +266,9 @@ def test_bad_rank_is_one_line_and_writes_nothing(tmp_path, zoo, rank):
 def test_bad_rank_options_and_inputs(tmp_path, zoo):
     paths = zoo("qwen3")
     args = ("delta", "extract", paths["donor"], paths["donor_ft"], "-o", tmp_path / "lora")
-    assert "--shard-size does not apply with --rank" in one_line_error(invoke(*args, "--rank", 2, "--shard-size", "1GB"))
+    assert "--shard-size does not apply with --rank" in one_line_error(
+        invoke(*args, "--rank", 2, "--shard-size", "1GB")
+    )
     assert "--no-embeddings goes with --rank" in one_line_error(invoke(*args, "--no-embeddings"))
     with pytest.raises(GraftError, match="--rank must be a positive integer"):
         delta_extract.extract_lora(paths["donor"], paths["donor_ft"], tmp_path / "lora", rank=True)

@@ -66,7 +66,9 @@ def test_graftmerge_merge_and_sweep_take_the_post_as_donor(tmp_path, tied_models
     config = tmp_path / "g.yml"
     config.write_text(graft_yaml(post, post, [(sft, 1.0)], rho=0.01, fisher=tied_diag_cache))
     assert run_cli("graftmerge", "merge", str(config), str(tmp_path / "merged")).returncode == 0
-    sweep = run_cli("graftmerge", "sweep", str(config), "-o", str(tmp_path / "grid"), "--lambda", "1.0", "--rho", "0.01")
+    sweep = run_cli(
+        "graftmerge", "sweep", str(config), "-o", str(tmp_path / "grid"), "--lambda", "1.0", "--rho", "0.01"
+    )
     assert sweep.returncode == 0, sweep.stderr[-2000:]
     (point,) = [p for p in (tmp_path / "grid").iterdir() if p.is_dir()]
     assert_identical(read_model(point), read_model(tmp_path / "merged"))

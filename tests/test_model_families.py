@@ -199,7 +199,9 @@ def test_diagonal_mask_equals_brute_force(case, scope):
 
 def test_kfac_mask_equals_brute_force(case):
     expected = case.brute_force(RHO["global"], "global", "kfac")
-    assert {n for n, kind in expected.kinds.items() if kind == "kfac"} == set(open_fisher_cache(case.fisher).names("kfac"))
+    assert {n for n, kind in expected.kinds.items() if kind == "kfac"} == set(
+        open_fisher_cache(case.fisher).names("kfac")
+    )
     check_against_brute_force(case, "kfac-global", expected, exact=False)
     post, got = read_model(case.models["post"]), read_model(case.outputs["kfac-global"])
     for name, mask in expected.masks.items():  # a masked KFAC pair changes its weight

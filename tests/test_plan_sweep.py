@@ -83,7 +83,9 @@ def test_plan_equals_brute_force_for_every_rho(tied_models, caches, cache_kind):
         assert summary.k == k and summary.masked == int(chosen.sum()), summary.rho
         if k:
             assert summary.threshold == float(order.values[k - 1]), summary.rho
-        assert summary.removed_share == pytest.approx(float(flat[chosen].double().sum()) / total_mass, rel=1e-9, abs=1e-15)
+        assert summary.removed_share == pytest.approx(
+            float(flat[chosen].double().sum()) / total_mass, rel=1e-9, abs=1e-15
+        )
         for tensor, part, mask in zip(report.tensors, torch.split(flat, sizes), torch.split(chosen, sizes)):
             tally = tensor.tallies[summary.rho]
             assert tally.masked == int(mask.sum()), (summary.rho, tensor.name)
@@ -174,7 +176,9 @@ def test_sweep_outputs_equal_separate_mergekit_yaml_runs(tmp_path, tied_models, 
             written = yaml.safe_load((folder / "mergekit_config.yml").read_text())["parameters"]
             assert (written["lambda"], written["rho"]) == (lam, rho)
     # the grid really differs across λ and ρ (else equality would prove little)
-    outputs = {(lam, rho): read_model(tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}") for lam in lambdas for rho in rhos}
+    outputs = {
+        (lam, rho): read_model(tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}") for lam in lambdas for rho in rhos
+    }
     name = "model.layers.0.mlp.down_proj.weight"
     assert len({outputs[key][name].float().sum().item() for key in outputs}) == len(outputs)
     assert tree_digest(m["post"].parent) == before
@@ -236,7 +240,10 @@ def test_sweep_bounded_memory_paths_write_mergekit_yaml_folders_file_for_file(tm
         reference = run_graftmerge("mergekit-yaml", str(single), str(tmp_path / f"ref-{lam}"), "--out-shard-size", "8K",
                                    cache_dir=tmp_path / f"cache-{lam}")
         assert reference.returncode == 0, reference.stderr[-3000:]
-        got, expected = folder_bytes(tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}"), folder_bytes(tmp_path / f"ref-{lam}")
+        got, expected = (
+            folder_bytes(tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}"),
+            folder_bytes(tmp_path / f"ref-{lam}"),
+        )
         assert sum(name.endswith(".safetensors") for name in expected) > 3  # really several shards
         assert got.keys() == expected.keys()
         for name in expected:

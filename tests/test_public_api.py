@@ -154,7 +154,9 @@ def test_documented_import_uses_the_public_path(statement):
     node = ast.parse(statement).body[0]
     modules = [node.module] if isinstance(node, ast.ImportFrom) else [alias.name for alias in node.names]
     internal = [m for m in modules if m != "graftmerge" and not m.startswith("graftmerge.testing")]
-    assert not internal, f"show `from graftmerge import ...` (add the name to graftmerge._EXPORTS if it is public): {statement}"
+    assert not internal, (
+        f"show `from graftmerge import ...` (add the name to graftmerge._EXPORTS if it is public): {statement}"
+    )
 
 
 def test_the_old_fisher_path_works_and_warns():

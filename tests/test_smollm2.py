@@ -308,7 +308,9 @@ def test_rho_zero_graft_equals_task_arithmetic(smol, donors, tmp_path):
     assert a.keys() == b.keys() == read_model(post).keys()
     for name in a:
         x, y = a[name].float(), b[name].float()
-        ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(x.abs(), y.abs()).clamp_min(torch.finfo(torch.bfloat16).tiny)
+        ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(x.abs(), y.abs()).clamp_min(
+            torch.finfo(torch.bfloat16).tiny
+        )
         assert bool(((x - y).abs() <= ulp).all()), name
 
 

@@ -186,7 +186,11 @@ def quadratic(fisher: dict[str, tuple], delta: dict[str, torch.Tensor]) -> float
     total = 0.0
     for n, entry in fisher.items():
         d = delta[n].double()
-        total += float((entry[1] * d * d).sum()) if entry[0] == "diagonal" else float(torch.trace(d.T @ entry[1] @ d @ entry[2]))
+        total += (
+            float((entry[1] * d * d).sum())
+            if entry[0] == "diagonal"
+            else float(torch.trace(d.T @ entry[1] @ d @ entry[2]))
+        )
     return total
 
 
@@ -287,7 +291,9 @@ def test_cli_prints_table_snippet_and_json(tmp_path, tied_models, caches):
     pasted = yaml.safe_load(config.read_text())
     pasted["parameters"] = snippet
     (tmp_path / "pasted.yml").write_text(yaml.safe_dump(pasted))
-    again = CliRunner().invoke(main, ["plan", str(tmp_path / "pasted.yml"), "--rho", repr(data["rho"]), "--no-progress"])
+    again = CliRunner().invoke(
+        main, ["plan", str(tmp_path / "pasted.yml"), "--rho", repr(data["rho"]), "--no-progress"]
+    )
     assert again.exit_code == 0, again.output
 
 

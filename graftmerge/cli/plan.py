@@ -39,7 +39,9 @@ def open_for_masks(plan, rhos: list[float]):
     from graftmerge.pipeline.graft_plan import GraftInputs
 
     if not plan.fisher:
-        raise GraftError("the config has no `fisher:` parameter; masks need a Fisher cache (see graftmerge fisher estimate)")
+        raise GraftError(
+            "the config has no `fisher:` parameter; masks need a Fisher cache (see graftmerge fisher estimate)"
+        )
     # Opening with a positive ρ opens and checks the cache; the ρ itself is not used.
     return GraftInputs.open(dataclasses.replace(plan, rho=max([*rhos, 0.5])))
 

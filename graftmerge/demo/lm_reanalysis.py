@@ -320,8 +320,10 @@ def edges_table(analysis: dict[str, Any]) -> list[str]:
              + ", ".join("none" if m is None else f"{m} ρ {r:g}" for m, r in settings.masks) + ".", "",
              "| τ | method | λ per seed | mask, ρ per seed | λ = smallest | ρ = largest |", "|---|---|---|---|---|---|"]
     for row in analysis["edges"]:
-        lines.append(f"| {row['tolerance']} | {row['method']} | {', '.join(f'{v:g}' for v in row['lambdas'])} | "
-                     f"{', '.join(row['masks'])} | {row['lam_smallest']}/{row['n']} | {row['rho_largest']}/{row['n']} |")
+        lines.append(
+            f"| {row['tolerance']} | {row['method']} | {', '.join(f'{v:g}' for v in row['lambdas'])} | "
+            f"{', '.join(row['masks'])} | {row['lam_smallest']}/{row['n']} | {row['rho_largest']}/{row['n']} |"
+        )
     total = sum(r["n"] for r in analysis["edges"])
     lines += ["", f"Over these {total} chosen masked points: λ at the grid's smallest value in "
               f"{sum(r['lam_smallest'] for r in analysis['edges'])}, at its largest in "
@@ -358,10 +360,15 @@ def markdown_report(analysis: dict[str, Any]) -> str:
     spread = (f"paired t on per-seed differences, 95 %, n = {seeds} seeds, {seeds - 1} degree(s) of freedom "
               f"(± {student_t_quantile(0.975, seeds - 1):.2f} standard errors)" if seeds > 1 else
               "none (one seed: no method can be ranked)")
-    lines = [f"Seeds: {', '.join(map(str, analysis['priors']))}. Intervals: {spread}; \"inconclusive\" = the interval contains 0. Intervals are not adjusted for "
-             "multiplicity; the p in brackets is Holm-adjusted within its table. + / = / −: seeds where the "
-             "difference is above, at or below 0. Every number below is recomputed from the run's JSON by "
-             "`scripts/reanalyse_demo.py`.", "", "### The value prior", ""]
+    lines = [
+        f'Seeds: {", ".join(map(str, analysis["priors"]))}. Intervals: {spread}; "inconclusive" = the interval contains 0. Intervals are not adjusted for '
+        "multiplicity; the p in brackets is Holm-adjusted within its table. + / = / −: seeds where the "
+        "difference is above, at or below 0. Every number below is recomputed from the run's JSON by "
+        "`scripts/reanalyse_demo.py`.",
+        "",
+        "### The value prior",
+        "",
+    ]
     lines += prior_table(analysis)
     for tolerance in analysis["chosen"]:
         lines += ["", f"### Chosen on validation (old-task validation ≥ θpost − {tolerance}), test scores", ""]

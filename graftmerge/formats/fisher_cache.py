@@ -101,7 +101,11 @@ class FisherCacheWriter:
             raise GraftError(f"{self.path} already exists; pass overwrite=True (or --overwrite) to replace it")
         if isinstance(model, dict):  # another cache's ``model`` record (``fisher compress``)
             self._model_tensors = model["tensors"]
-            self.model_info = {**model, "source": source or model.get("source"), "revision": revision or model.get("revision")}
+            self.model_info = {
+                **model,
+                "source": source or model.get("source"),
+                "revision": revision or model.get("revision"),
+            }
         else:
             checkpoint = Checkpoint(model, label="post model")
             guessed_source, guessed_revision = hf_cache_origin(checkpoint.folder)
@@ -257,7 +261,9 @@ class FisherCacheWriter:
                 ORTHONORMAL_PASSED.add(orthonormal_digest(stored))  # a merge reading these bytes skips the Gram
             return vectors, values
 
-        return self._side_once("eigen:" + hasher.hexdigest(), name, side, f"KFAC eigenvalues {label} for {name!r}", checked)
+        return self._side_once(
+            "eigen:" + hasher.hexdigest(), name, side, f"KFAC eigenvalues {label} for {name!r}", checked
+        )
 
     def _side_once(self, digest: str, name: str, side: str, where: str, decompose) -> str:
         """Store one factor side once: a side identical to one stored before (same digest) shares its key.
@@ -270,7 +276,11 @@ class FisherCacheWriter:
             self._clamped += clamped
             key = f"kfac/{name}/{side}"
             self._store(f"{key}/eigenvalues", values.to(torch.float32).contiguous())
-            record: dict[str, Any] = {"eigenvalues": f"{key}/eigenvalues", "size": int(values.shape[0]), "clamped": clamped}
+            record: dict[str, Any] = {
+                "eigenvalues": f"{key}/eigenvalues",
+                "size": int(values.shape[0]),
+                "clamped": clamped,
+            }
             if vectors is not None:
                 self._store(f"{key}/eigenvectors", vectors.to(torch.float32).contiguous())
                 record["eigenvectors"] = f"{key}/eigenvectors"
@@ -416,7 +426,9 @@ class FisherCache:
             file = self._files[key]
             info = self._layouts[file].tensors.get(key)
             if info is None:
-                raise GraftError(f"Fisher cache {self.path}: {file} has no tensor {key!r} (its manifest files it there)")
+                raise GraftError(
+                    f"Fisher cache {self.path}: {file} has no tensor {key!r} (its manifest files it there)"
+                )
             if info.dtype != "F32" or info.shape != shape:
                 raise GraftError(
                     f"Fisher cache {self.path}: tensor {key!r} in {file} is {info.dtype} {list(info.shape)}; "

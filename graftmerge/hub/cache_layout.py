@@ -48,7 +48,9 @@ def _read_ref(storage: Path, revision: str, where: str) -> str | None:
         raise GraftError(f"{where}: {ref} in the Hugging Face cache is not a ref file (delete it and pull again)")
     commit = ref.read_text(encoding="ascii", errors="replace").strip()
     if not COMMIT_SHA.fullmatch(commit):
-        raise GraftError(f"{where}: {ref} in the Hugging Face cache does not hold a commit sha (delete it and pull again)")
+        raise GraftError(
+            f"{where}: {ref} in the Hugging Face cache does not hold a commit sha (delete it and pull again)"
+        )
     return commit
 
 
@@ -59,7 +61,12 @@ def write_ref(storage: Path, revision: str, commit: str) -> None:
     check_cache_folder(storage, where, *_ref_folders(revision))
     ref.parent.mkdir(parents=True, exist_ok=True)
     check_cache_folder(storage, where, *_ref_folders(revision))  # nothing was linked in meanwhile
-    if not ref.is_symlink() and ref.is_file() and ref.stat().st_size <= 64 and ref.read_text(errors="replace") == commit:
+    if (
+        not ref.is_symlink()
+        and ref.is_file()
+        and ref.stat().st_size <= 64
+        and ref.read_text(errors="replace") == commit
+    ):
         return
     replace_file(ref, commit.encode())
 

@@ -40,13 +40,17 @@ def hub_errors(kind: ArtifactKind, reference: HubReference, action: str) -> Iter
     try:
         yield
     except GatedRepoError as error:
-        raise GraftError(f"{reference.repo_id} is gated: accept its terms on the Hub, then pass --token or log in (`hf auth login`)") from error
+        raise GraftError(
+            f"{reference.repo_id} is gated: accept its terms on the Hub, then pass --token or log in (`hf auth login`)"
+        ) from error
     except RepositoryNotFoundError as error:
         raise HubArtifactNotFound(
             f"no Hub repo {reference.repo_id} (or it is private: pass --token or log in with `hf auth login`)"
         ) from error
     except RevisionNotFoundError as error:
-        raise GraftError(f"revision {reference.revision_or_main!r} does not exist in Hub repo {reference.repo_id}") from error
+        raise GraftError(
+            f"revision {reference.revision_or_main!r} does not exist in Hub repo {reference.repo_id}"
+        ) from error
     except RemoteEntryNotFoundError as error:
         response = getattr(error, "response", None)
         missing = str(response.url).rsplit("/", 1)[-1] if response is not None else kind.manifest_name

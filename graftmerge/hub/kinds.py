@@ -78,7 +78,9 @@ def select_fisher_layers(manifest: Mapping[str, Any], patterns: Sequence[str]) -
             f"--layers {' '.join(unmatched)} matches no weight with a Fisher entry "
             f"({len(entries)} weights have one, e.g. {examples})"
         )
-    chosen = {name: copy.deepcopy(dict(e)) for name, e in entries.items() if any(fnmatchcase(name, p) for p in patterns)}
+    chosen = {
+        name: copy.deepcopy(dict(e)) for name, e in entries.items() if any(fnmatchcase(name, p) for p in patterns)
+    }
     factor_keys = sorted({e["kfac"][side] for e in chosen.values() if "kfac" in e for side in ("rows", "columns")})
     factors = {key: manifest["factors"][key] for key in factor_keys}
     tensor_keys = {e["diagonal"]["key"] for e in chosen.values() if "diagonal" in e}

@@ -226,7 +226,9 @@ def _select_layers(kind: ArtifactKind, manifest: dict[str, Any], layers: Sequenc
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
         shown = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
-        raise GraftError(f"{where}: corrupt {kind.manifest_name}, cannot pick layers from it ({type(error).__name__}: {shown})") from error
+        raise GraftError(
+            f"{where}: corrupt {kind.manifest_name}, cannot pick layers from it ({type(error).__name__}: {shown})"
+        ) from error
 
 
 def _check_pull(kind: ArtifactKind, output: str | os.PathLike | None, layers: Sequence[str],
@@ -363,4 +365,6 @@ def resolve_artifact(kind: ArtifactKind, text: str, *, cache_dir: str | os.PathL
     except HubArtifactNotFound as error:
         if text.startswith("hf://"):
             raise
-        raise HubArtifactNotFound(f"{kind.label} {text}: not a local folder, and {error} (write a local folder as ./{text})") from error
+        raise HubArtifactNotFound(
+            f"{kind.label} {text}: not a local folder, and {error} (write a local folder as ./{text})"
+        ) from error

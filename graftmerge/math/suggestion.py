@@ -154,7 +154,9 @@ class LambdaChoice:
     bound: str
 
 
-def kl_budget_lambda(masked_quadratic: float, mean_tokens: float, budget: float, max_lambda: float = 1.0) -> LambdaChoice:
+def kl_budget_lambda(
+    masked_quadratic: float, mean_tokens: float, budget: float, max_lambda: float = 1.0
+) -> LambdaChoice:
     """``λ* = min(λ_max, sqrt(2κ / (T̄ · Δ'ᵀFΔ')))``: the largest λ whose predicted KL is within κ."""
     for label, value in (("KL budget", budget), ("max lambda", max_lambda), ("mean tokens", mean_tokens)):
         if not (math.isfinite(value) and value > 0):

@@ -212,7 +212,9 @@ def format_table(stats: DeltaStats, tensors: bool = True) -> str:
         widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
         lines.append(title)
         for line in [header, *body]:
-            lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+            lines.append(
+                "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+            )
         lines.append("")
 
     if tensors:

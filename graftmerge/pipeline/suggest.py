@@ -205,7 +205,11 @@ def format_suggestion(s: Suggestion) -> str:
         f"{'rho':>10}  {'R(rho)':>10}",
     ]
     for index, (rho, share) in enumerate(zip(s.rho_grid, s.removed_share)):
-        marker = "  <- knee" if index == s.knee_index and s.knee_found else ("  <- suggested" if index == s.knee_index else "")
+        marker = (
+            "  <- knee"
+            if index == s.knee_index and s.knee_found
+            else ("  <- suggested" if index == s.knee_index else "")
+        )
         lines.append(f"{rho:>10g}  {100 * share:>9.3f}%{marker}")
     lines += [
         "",

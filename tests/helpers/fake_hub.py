@@ -106,7 +106,9 @@ class FakeHub:
             if action == "tree":
                 return httpx2.Response(200, json=[self._listing(p, data) for p, data in sorted(tree.items())])
             if action == "revision":
-                return httpx2.Response(200, json={"id": repo, "sha": commit, "siblings": [{"rfilename": p} for p in tree]})
+                return httpx2.Response(
+                    200, json={"id": repo, "sha": commit, "siblings": [{"rfilename": p} for p in tree]}
+                )
             if action == "preupload":
                 files = json.loads(request.content)["files"]
                 return httpx2.Response(200, json={"files": [

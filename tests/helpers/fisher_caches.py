@@ -39,7 +39,9 @@ def write_mixed_cache(path: Path, post: Path, seed: int = 0) -> Path:
                 Q = shared.setdefault(info.shape[1], spd(info.shape[1], g))
                 writer.add_kfac(name, P=spd(info.shape[0], g) / 10, Q=Q)
             elif name == "model.embed_tokens.weight":  # one-hot rows: a diagonal side (U = I)
-                writer.add_kfac(name, P=torch.rand(info.shape[0], generator=g, dtype=torch.float64), Q=spd(info.shape[1], g))
+                writer.add_kfac(
+                    name, P=torch.rand(info.shape[0], generator=g, dtype=torch.float64), Q=spd(info.shape[1], g)
+                )
             else:
                 writer.add_diagonal(name, torch.rand(info.shape, generator=g) ** 2)
     return path

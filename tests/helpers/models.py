@@ -60,5 +60,7 @@ def assert_within_one_ulp(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
         x, y = a[name].float(), b[name].float()
-        ulp = torch.finfo(a[name].dtype).eps * torch.maximum(x.abs(), y.abs()).clamp_min(torch.finfo(a[name].dtype).tiny)
+        ulp = torch.finfo(a[name].dtype).eps * torch.maximum(x.abs(), y.abs()).clamp_min(
+            torch.finfo(a[name].dtype).tiny
+        )
         assert bool(((x - y).abs() <= ulp).all()), name

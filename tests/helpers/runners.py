@@ -95,7 +95,9 @@ def error_line(result) -> str:
     """The contract for a finished process (``run_cli``/``run_process``): exit 2, exactly one ``error: ...``
     line, last on stderr (progress bars aside), no traceback; that line."""
     assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
-    lines = [line for line in result.stderr.splitlines() if line.strip() and "it/s]" not in line and "s/it]" not in line]
+    lines = [
+        line for line in result.stderr.splitlines() if line.strip() and "it/s]" not in line and "s/it]" not in line
+    ]
     errors = [line for line in lines if line.startswith("error: ")]
     assert len(errors) == 1 and lines[-1] == errors[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
