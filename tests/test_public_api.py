@@ -9,8 +9,8 @@ one; the old ``graftmerge.fisher`` path still works, with a DeprecationWarning.
 from __future__ import annotations
 
 import ast
-import re
 import importlib
+import re
 import subprocess
 import sys
 import textwrap
