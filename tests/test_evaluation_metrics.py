@@ -25,6 +25,7 @@ from graftmerge.evaluation import (
     normalised,
     role_scores,
 )
+from graftmerge.testing.tiny_models import save_tiny_model
 from graftmerge.testing.tiny_tokenizer import save_tiny_chat_model
 
 END = "<|im_end|>"
@@ -350,3 +351,25 @@ def test_role_scores_are_weighted_means_of_normalised_scores(tmp_path):
     scores["x"]["validation"] = math.nan
     assert math.isnan(role_scores(suite, scores, "validation")["old"])
     assert role_scores(suite, scores, "validation")["new"] == 1.0
+
+
+def test_replies_are_plain_argmax_whatever_the_generation_config_says(taught, tmp_path):
+    write_jsonl(tmp_path / "g.jsonl", generation_lines())
+    suite = load_tasks(write_tasks(tmp_path, "tasks:\n  - {name: e, role: new, data: g.jsonl, metric: exact}\n"))
+    model, _ = load_model_for_eval(taught["folder"])
+    evaluator = Evaluator(suite, taught["tokenizer"], progress=False)
+    plain = evaluator.score(model)
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.no_repeat_ngram_size = 1
+    model.generation_config.suppress_tokens = [taught["tokenizer"].convert_tokens_to_ids(END)]
+    assert evaluator.score(model) == plain and plain["e"]["validation"] >= 3 / 7
+
+
+def test_a_tokenizer_of_another_model_is_refused(taught, tmp_path):
+    write_jsonl(tmp_path / "g.jsonl", [{"messages": chat("Hi"), "answer": "Hello."}])
+    suite = load_tasks(write_tasks(tmp_path, "tasks:\n  - {name: n, role: old, data: g.jsonl, metric: nll}\n"))
+    save_tiny_model(tmp_path / "small", architecture="llama", vocab_size=64, max_shard_size="50MB")
+    taught["tokenizer"].save_pretrained(tmp_path / "small")
+    small, _ = load_model_for_eval(tmp_path / "small")
+    with pytest.raises(GraftError, match=r"g\.jsonl:1: token id \d+ is outside the model's vocabulary \(64\)"):
+        Evaluator(suite, taught["tokenizer"]).score(small)

@@ -20,6 +20,7 @@ from graftmerge.errors import GraftError
 from graftmerge.evaluation.tasks import Task, first_line
 
 INSTALL_HINT = "pip install graftmerge[eval]"
+FEWSHOT_SEED = 1234  # the harness's own default
 
 
 def harness():
@@ -27,6 +28,7 @@ def harness():
     # lazy: lm-eval is an optional extra that takes seconds to import; only lm_eval entries need it
     try:
         import lm_eval
+        import lm_eval.evaluator
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError as error:
@@ -68,8 +70,9 @@ def find_task(task: Task):
     """(TaskManager, harness task object) of an lm_eval entry; GraftError when the harness has no such task."""
     spec = task.lm_eval
     include = str(spec.include_path) if spec.include_path is not None else None
-    managers = ([task_manager(include, False)] if include else []) + [task_manager(include, True)]
-    for manager in managers:
+    manager = None
+    for defaults in ([False] if include else []) + [True]:  # the harness's own index only when needed
+        manager = task_manager(include, defaults)
         if spec.task in manager.all_subtasks:
             break
         if spec.task in manager.all_tasks:
@@ -78,7 +81,7 @@ def find_task(task: Task):
     else:
         searched = f" or in {spec.include_path}" if include else ""
         raise GraftError(f"{task.where}: lm-eval task {spec.task!r} does not exist (not among the harness's "
-                         f"{len(managers[-1].all_subtasks)} tasks{searched})")
+                         f"{len(manager.all_subtasks)} tasks{searched})")
     try:
         with quiet_harness():
             loaded = manager.load([spec.task])["tasks"]
@@ -89,6 +92,7 @@ def find_task(task: Task):
 
 def resolve(task: Task) -> HarnessTask:
     """An lm_eval entry checked against the harness: the task exists, has the metric and a split."""
+    harness()  # installed? (before any cached TaskManager is reused)
     manager, harness_task = find_task(task)
     spec = task.lm_eval
     better = harness_task.higher_is_better() or {}
@@ -106,25 +110,35 @@ def resolve(task: Task) -> HarnessTask:
 
 
 def score_harness_task(entry: HarnessTask, model, tokenizer, split: str, batch_size: int) -> float:
-    """The entry's metric on ``split`` of its harness task, computed by the harness on ``model`` in memory."""
+    """The entry's metric on ``split`` of its harness task, computed by the harness on ``model`` in memory.
+
+    Through the harness's ``evaluate`` (not ``simple_evaluate``, which also reseeds the
+    global random generators and asks git for a commit hash); few-shot examples are
+    drawn with the harness's default seed, so a score is the same on every call.
+    """
     lm_eval, HFLM, _ = harness()
-    spec, config = entry.task.lm_eval, entry.harness_task.config
+    spec, task = entry.task.lm_eval, entry.harness_task
     if split not in spec.splits:
         raise GraftError(f"{entry.task.where}: lm-eval task {spec.task!r} has no {split} split "
                          f"(it has: {', '.join(spec.splits)})")
-    saved_test_split = config.test_split
+    if spec.num_fewshot is not None:
+        task.set_config(key="num_fewshot", value=spec.num_fewshot)
+    elif task.get_config("num_fewshot") is None:
+        task.set_config(key="num_fewshot", value=0)
+    task.set_fewshot_seed(seed=FEWSHOT_SEED)
+    saved_test_split = task.config.test_split
     if split == "validation":
-        config.test_split = None  # the harness scores test_split when there is one, else validation_split
+        task.config.test_split = None  # the harness scores test_split when there is one, else validation_split
     try:
         with quiet_harness():
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-            results = lm_eval.simple_evaluate(
-                model=lm, tasks=[entry.harness_task], num_fewshot=spec.num_fewshot, limit=spec.limit,
-                bootstrap_iters=0, log_samples=False, apply_chat_template=spec.apply_chat_template,
-                task_manager=entry.manager, random_seed=None, numpy_random_seed=None, torch_random_seed=None,
+            results = lm_eval.evaluator.evaluate(
+                lm=lm, task_dict={"tasks": {spec.task: task}}, limit=spec.limit, bootstrap_iters=0,
+                log_samples=False, apply_chat_template=spec.apply_chat_template,
+                fewshot_as_multiturn=spec.apply_chat_template,
             )
     finally:
-        config.test_split = saved_test_split
+        task.config.test_split = saved_test_split
     row = results["results"][spec.task]
     keys = [key for key in row if key.split(",")[0] == spec.metric]
     value = float(row[keys[0]]) if keys else math.nan

@@ -14,6 +14,7 @@ taken from the last K+1 positions only (``logits_to_keep``) where the model supp
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import AutoTokenizer
 
 from graftmerge.errors import GraftError
 from graftmerge.estimate.model_loading import DTYPES, LOAD_ERRORS, TOKENIZER_FILES, load_causal_lm
@@ -92,18 +93,23 @@ class Evaluator:
         return results
 
     def _check_context(self, model) -> None:
-        """GraftError if a sequence would not fit the model's positions."""
+        """GraftError if a token id is outside the model's vocabulary or a sequence would not fit its positions."""
+        vocabulary = getattr(model.config, "vocab_size", None)
         context = getattr(model.config, "max_position_embeddings", None)
-        if not isinstance(context, int):
-            return
         for task in self.suite.tasks:
-            for example in self.prepared.get(task.name, ()):
-                longest = max(map(len, example.continuations))
-                if task.metric in ("exact", "contains"):
-                    longest = max(longest, generation_limit(task, list(self.prepared[task.name])))
-                if len(example.prompt_ids) + longest > context:
-                    raise GraftError(f"{example.where}: prompt and answer take {len(example.prompt_ids) + longest} "
-                                     f"tokens, more than the model's {context} positions")
+            prepared = self.prepared.get(task.name, ())
+            if not prepared:
+                continue
+            generated = generation_limit(task, list(prepared)) if task.metric in ("exact", "contains") else 0
+            for example in prepared:
+                ids = [*example.prompt_ids, *(t for c in example.continuations for t in c)]
+                if isinstance(vocabulary, int) and max(ids) >= vocabulary:
+                    raise GraftError(f"{example.where}: token id {max(ids)} is outside the model's vocabulary "
+                                     f"({vocabulary}): the tokenizer does not belong to this model")
+                longest = len(example.prompt_ids) + max(generated, *map(len, example.continuations))
+                if isinstance(context, int) and longest > context:
+                    raise GraftError(f"{example.where}: prompt and answer take {longest} tokens, "
+                                     f"more than the model's {context} positions")
 
     def _score_task(self, model, task: Task, split: str) -> float:
         if task.lm_eval is not None:
@@ -174,32 +180,44 @@ class Evaluator:
         """Greedy replies (token ids before the first stop token, at most each row's limit); None if a logit was not finite."""
         replies: list[list[int]] = [[] for _ in prompts]
         for batch in self._batches([len(p) for p in prompts], desc):
-            ids, mask, _ = left_padded([prompts[i] for i in batch], self.pad_id, model_device(model))
-            watch = FiniteLogits()
-            config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max(limits[i] for i in batch),
-                                      eos_token_id=stops or None, pad_token_id=self.pad_id)
-            generated = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                       logits_processor=LogitsProcessorList([watch]))
-            if not watch.finite:
+            ids, mask, positions = left_padded([prompts[i] for i in batch], self.pad_id, model_device(model))
+            generated = greedy_tokens(model, ids, mask, positions, max(limits[i] for i in batch), stops, self.pad_id)
+            if generated is None:
                 return None
             for row, i in enumerate(batch):
-                tokens = generated[row, ids.shape[1] :][: limits[i]].tolist()
+                tokens = generated[row][: limits[i]]
                 cut = next((n for n, token in enumerate(tokens) if token in stops), len(tokens))
                 replies[i] = tokens[:cut]
         return replies
 
 
-class FiniteLogits(LogitsProcessor):
-    """Watches generation's logits and remembers whether any was not finite (changes nothing)."""
+def greedy_tokens(model, ids, mask, positions, steps: int, stops: list[int], pad_id: int) -> list[list[int]] | None:
+    """Argmax decoding of a left-padded batch with a KV cache, up to ``steps`` tokens a row.
 
-    def __init__(self):
-        self.finite = True
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        """The scores unchanged."""
-        if self.finite and not bool(torch.isfinite(scores).all()):
-            self.finite = False
-        return scores
+    Plain argmax, whatever the model's generation_config says (no repetition penalty,
+    no suppressed tokens): the scores must not depend on a sampling setting. A row that
+    has stopped is fed padding and ignored. None if an active row's logits were not finite.
+    """
+    keep = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
+    cache_argument = "cache" if accepts(model, "cache") else "past_key_values"
+    stop = torch.tensor(stops or [-1], device=ids.device)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    columns = []
+    output = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **keep)
+    for step in range(steps):
+        logits = output.logits[:, -1]
+        if not bool(torch.isfinite(logits[~done]).all()):
+            return None
+        token = logits.argmax(-1).masked_fill(done, pad_id)
+        columns.append(token)
+        done = done | torch.isin(token, stop)
+        if bool(done.all()) or step == steps - 1:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+        output = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
+                       use_cache=True, **{cache_argument: cache_of(output)})
+    return torch.stack(columns, dim=1).tolist() if columns else [[] for _ in range(ids.shape[0])]
 
 
 def left_padded(rows: list[tuple[int, ...]], pad_id: int, device: torch.device):
@@ -215,9 +233,20 @@ def left_padded(rows: list[tuple[int, ...]], pad_id: int, device: torch.device):
 
 
 def accepts(model, argument: str) -> bool:
-    """Whether ``model``'s forward takes ``argument`` (``logits_to_keep`` is recent in transformers)."""
-    code = type(model).forward.__code__
-    return argument in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    """Whether ``model``'s forward names ``argument`` (``logits_to_keep``, ``cache`` are recent in transformers)."""
+    try:
+        return argument in inspect.signature(type(model).forward).parameters  # follows decorators' __wrapped__
+    except (TypeError, ValueError):
+        return False
+
+
+def cache_of(output):
+    """The KV cache a forward returned (``cache`` in recent transformers, ``past_key_values`` before)."""
+    for name in ("cache", "past_key_values"):
+        value = getattr(output, name, None)
+        if value is not None:
+            return value
+    raise GraftError("the model returned no KV cache with use_cache=True; it cannot generate replies")
 
 
 def stop_ids(tokenizer, model, prepared: Iterable[Prepared]) -> list[int]:
