@@ -19,6 +19,7 @@ from graftmerge.evaluation import (
     normalised,
     role_scores,
 )
+from graftmerge.testing.hf_cache import place_in_hf_cache
 from graftmerge.testing.tiny_tokenizer import CHAT_TEMPLATE, save_tiny_chat_model
 
 LINES = [
@@ -209,3 +210,17 @@ def test_bad_models_and_options(setup, tmp_path):
     assert "tasks file" in line and "does not exist" in line
     line = error_line(run_cli("graftmerge", "eval", str(setup["model"]), "--tasks", tasks, "--split", "train"))
     assert "--split" in line
+
+
+def test_a_hub_id_is_read_from_the_local_cache_offline(setup, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-cache"
+    place_in_hf_cache(cache, "acme/tiny-chat", setup["model"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    result = run_cli("graftmerge", "eval", "acme/tiny-chat", "--tasks", str(setup["tasks"]), "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    local = run_cli("graftmerge", "eval", str(setup["model"]), "--tasks", str(setup["tasks"]), "--no-progress")
+    assert result.stdout == local.stdout

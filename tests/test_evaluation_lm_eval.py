@@ -84,6 +84,17 @@ def test_harness_accuracy_equals_our_choice_metric_on_the_same_documents(harness
     assert normalised(probe, scores["probe"]["validation"]) == scores["probe"]["validation"]
 
 
+def test_one_evaluator_scores_model_after_model_as_a_sweep_does(harness_setup, tmp_path):
+    """No state carried over: A, then B, then A again gives A's numbers (the split override is undone)."""
+    evaluator = Evaluator(load_tasks(harness_setup["root"] / "tasks.yml"), harness_setup["tokenizer"], progress=False)
+    other, _ = load_model_for_eval(save_tiny_chat_model(tmp_path / "other", architecture="llama", seed=11))
+    first = evaluator.score(harness_setup["model"], ("validation", "test"), only_present=True)
+    second = evaluator.score(other, ("validation", "test"), only_present=True)
+    assert evaluator.score(harness_setup["model"], ("validation", "test"), only_present=True) == first
+    assert second["probe"]["validation"] == second["ours"]["validation"] and second["probe"]["test"] == 0.0
+    assert evaluator.harness["probe"].harness_task.config.test_split == "test"
+
+
 def test_lm_eval_entry_through_the_cli(harness_setup):
     result = run_cli("graftmerge", "eval", str(harness_setup["folder"]), "--tasks",
                      str(harness_setup["root"] / "tasks.yml"), "--split", "test", "--no-progress")

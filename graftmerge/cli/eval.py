@@ -74,7 +74,7 @@ def eval_command(model: str, tasks_file: str, split: str, json_path: str | None,
     # lazy: evaluation loads torch and transformers; only when the command runs, so --help stays fast
     import torch
 
-    from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks
+    from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, load_tokenizer
 
     suite = load_tasks(tasks_file)
     splits = ("validation", "test") if split == "all" else (split,)
@@ -85,10 +85,10 @@ def eval_command(model: str, tasks_file: str, split: str, json_path: str | None,
     if cuda and not torch.cuda.is_available():
         raise GraftError("--cuda: no CUDA device is available")
     device = "cuda" if cuda else "cpu"
-    loaded, tokenizer = load_model_for_eval(model, device, dtype or ("bfloat16" if cuda else "float32"),
-                                            chat_template=chat_template)
-    evaluator = Evaluator(suite, tokenizer, device=device, batch_size=batch_size, progress=not no_progress,
-                          splits=None if split == "all" else splits)
+    # Everything the tokenizer decides is checked before the weights are loaded.
+    evaluator = Evaluator(suite, load_tokenizer(model, chat_template=chat_template), device=device,
+                          batch_size=batch_size, progress=not no_progress, splits=None if split == "all" else splits)
+    loaded, _ = load_model_for_eval(model, device, dtype or ("bfloat16" if cuda else "float32"))
     scores = evaluator.score(loaded, splits, only_present=split == "all")
     report = scores_report(evaluator.suite, scores, splits)
     click.echo(format_report(report))

@@ -7,7 +7,8 @@ docs/evaluation.md describes the file format, the metrics and the normalisation.
 """
 
 from graftmerge.evaluation.roles import normalised, role_scores
-from graftmerge.evaluation.scoring import Evaluator, load_model_for_eval
+from graftmerge.evaluation.scoring import Evaluator, load_model_for_eval, load_tokenizer
 from graftmerge.evaluation.tasks import Task, TaskSuite, load_tasks
 
-__all__ = ["Evaluator", "Task", "TaskSuite", "load_model_for_eval", "load_tasks", "normalised", "role_scores"]
+__all__ = ["Evaluator", "Task", "TaskSuite", "load_model_for_eval", "load_tasks", "load_tokenizer", "normalised",
+           "role_scores"]

@@ -27,7 +27,13 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from graftmerge.errors import GraftError
-from graftmerge.estimate.model_loading import DTYPES, LOAD_ERRORS, TOKENIZER_FILES, load_causal_lm
+from graftmerge.estimate.model_loading import (
+    DTYPES,
+    LOAD_ERRORS,
+    TOKENIZER_FILES,
+    causal_lm_config,
+    load_causal_lm,
+)
 from graftmerge.evaluation.lm_eval_tasks import HarnessTask, resolve, score_harness_task
 from graftmerge.evaluation.prompts import Prepared, generation_limit, prepare
 from graftmerge.evaluation.tasks import SPLITS, Task, TaskSuite, first_line
@@ -282,6 +288,18 @@ def load_model_for_eval(reference: str | os.PathLike, device="cpu", dtype=None, 
         dtype = next((name for name, value in DTYPES.items() if value == dtype), str(dtype))
     model = load_causal_lm(folder, dtype=dtype or "float32", device=device, progress=False,
                            trust_remote_code=trust_remote_code)
+    return model, load_tokenizer(folder, chat_template=chat_template, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(reference: str | os.PathLike, *, chat_template: str | os.PathLike | None = None,
+                   trust_remote_code: bool = False):
+    """The tokenizer of a model folder or cached Hub id, without its weights (to build an Evaluator early).
+
+    The folder's config.json is checked too (a causal LM, no code of its own unless trusted),
+    so a folder that is not a model is refused before anything else is loaded.
+    """
+    folder = Path(resolve_model_folder(str(reference)))
+    causal_lm_config(folder, trust_remote_code=trust_remote_code)
     if not any((folder / name).exists() for name in TOKENIZER_FILES):
         raise GraftError(f"{folder} has no tokenizer; evaluation needs the model's own tokenizer files")
     try:
@@ -290,7 +308,7 @@ def load_model_for_eval(reference: str | os.PathLike, device="cpu", dtype=None, 
         raise GraftError(f"cannot load the tokenizer of {folder}: {first_line(error)}") from error
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
-    return model, tokenizer
+    return tokenizer
 
 
 def model_device(model) -> Any:
