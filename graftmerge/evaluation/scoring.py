@@ -60,7 +60,7 @@ class Evaluator:
         }
         tasks = tuple(self.harness[t.name].task if t.name in self.harness else t for t in suite.tasks)
         self.suite = replace(suite, tasks=tasks)  # lm-eval entries with their splits and metric direction
-        self.pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+        self.pad_id = 0  # padding is masked, so any id in the vocabulary does (a tokenizer's pad id may lie outside it)
         if splits is not None:
             self.check_splits(splits)
 
