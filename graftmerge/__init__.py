@@ -39,13 +39,24 @@ _EXPORTS = {
     "plot_stats": "graftmerge.pipeline.delta_report:plot_stats",
     "suggest_graft": "graftmerge.pipeline.suggest:suggest_graft",
     "Suggestion": "graftmerge.pipeline.suggest:Suggestion",
+    # scoring models on the user's own tasks (docs/evaluation.md): graftmerge eval, sweep --eval
+    "load_tasks": "graftmerge.evaluation.tasks:load_tasks",
+    "Task": "graftmerge.evaluation.tasks:Task",
+    "TaskSuite": "graftmerge.evaluation.tasks:TaskSuite",
+    "Evaluator": "graftmerge.evaluation.scoring:Evaluator",
+    "load_model_for_eval": "graftmerge.evaluation.scoring:load_model_for_eval",
+    "load_tokenizer": "graftmerge.evaluation.scoring:load_tokenizer",
+    "normalised": "graftmerge.evaluation.roles:normalised",
+    "role_scores": "graftmerge.evaluation.roles:role_scores",
 }
 
 # Spelled out for type checkers and linters; equal to sorted(_EXPORTS) (tested).
 __all__ = [
-    "DeltaStats", "FisherCache", "FisherCacheWriter", "GraftError", "GraftMergeMethod", "KfacFactors",
-    "LoraExtraction", "Suggestion", "compute_stats", "extract_delta", "extract_lora", "format_table",
-    "lora_delta_state_dict", "open_fisher_cache", "plot_stats", "suggest_graft",
+    "DeltaStats", "Evaluator", "FisherCache", "FisherCacheWriter", "GraftError", "GraftMergeMethod",
+    "KfacFactors", "LoraExtraction", "Suggestion", "Task", "TaskSuite", "compute_stats",
+    "extract_delta", "extract_lora", "format_table", "load_model_for_eval", "load_tasks",
+    "load_tokenizer", "lora_delta_state_dict", "normalised", "open_fisher_cache", "plot_stats",
+    "role_scores", "suggest_graft",
 ]
 
 # Not `from typing import TYPE_CHECKING`: typing costs ~30 ms at every interpreter start
@@ -55,6 +66,9 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from graftmerge.adapter.merge_method import GraftMergeMethod
     from graftmerge.errors import GraftError
+    from graftmerge.evaluation.roles import normalised, role_scores
+    from graftmerge.evaluation.scoring import Evaluator, load_model_for_eval, load_tokenizer
+    from graftmerge.evaluation.tasks import Task, TaskSuite, load_tasks
     from graftmerge.formats.fisher_cache import FisherCache, FisherCacheWriter, open_fisher_cache
     from graftmerge.math.kfac import KfacFactors
     from graftmerge.pipeline.delta_extract import LoraExtraction, extract_delta, extract_lora

@@ -4,8 +4,9 @@ and the test suite's: no test module imports another (shared code is in tests/he
 The layers, lowest first (docs/architecture.md draws them). A module may import
 its own package and any package of a lower layer; packages that share a layer do
 not import each other. Imports sit at the top of their module, except in the
-two places whose laziness keeps start-up fast: ``cli/`` (``graftmerge --help``
-must not import torch) and the ``.pth`` import hook (it runs in every Python).
+places whose laziness keeps start-up fast: ``cli/`` (``graftmerge --help``
+must not import torch), the ``.pth`` import hook (it runs in every Python) and the
+lm-evaluation-harness bridge (an optional extra, imported only for ``lm_eval`` entries).
 ``graftmerge/__init__.py`` re-exports the public API from every layer without importing
 it: names load on first use, and its ``if TYPE_CHECKING:`` imports never run, so they are
 not edges of the import graph.
@@ -26,12 +27,13 @@ LAYERS: list[set[str]] = [
     {"formats"},  # files on disk: checkpoints, Fisher caches, delta folders, GGUF
     {"hub"},  # the same artifacts on the Hugging Face Hub
     {"pipeline", "estimate"},  # a graft config -> a model; rollouts -> a Fisher cache
+    {"evaluation"},  # task files; a model in memory -> scores per task and role
     {"adapter"},  # graft as a mergekit merge method, and the import hook
     {"testing"},  # generated test models and the SmolLM2 fixture
     {"demo"},  # the demos, built on everything below
     {"cli"},  # click commands; graftmerge/__main__.py (python -m graftmerge) belongs here
 ]
-LAZY_IMPORTS_ALLOWED = ("cli/", "adapter/import_hook.py")
+LAZY_IMPORTS_ALLOWED = ("cli/", "adapter/import_hook.py", "evaluation/lm_eval_tasks.py")
 
 
 def layer_of(package: str) -> int:
