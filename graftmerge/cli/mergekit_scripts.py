@@ -39,11 +39,17 @@ def wrap_config_script(script_module) -> None:
             check(kwargs["config_file"])
             return original(*args, **kwargs)
         except GraftError as error:
-            raise_for_cli(error, verbose=getattr(kwargs.get("merge_options"), "verbosity", 0) > 0)
+            raise_for_cli(error, verbose=_verbosity(kwargs) > 0)
 
     callback._graftmerge_wrapped = True
     command.callback = callback
     _one_line_usage_errors(command)
+
+
+def _verbosity(kwargs: dict) -> int:
+    """mergekit's ``-v`` count among the command's arguments: raw (the callback is mergekit's option wrapper,
+    which builds MergeOptions from them), or already in MergeOptions."""
+    return kwargs.get("verbosity") or getattr(kwargs.get("merge_options"), "verbosity", 0) or 0
 
 
 def _one_line_usage_errors(command) -> None:
