@@ -311,7 +311,7 @@ def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch:
     return runs
 
 
-def _write_grid(config, source: str, views: dict[GridPoint, MergeRun], staging: Path, spill: Path, arch_info,
+def _write_grid(config, source: str, runs: dict[GridPoint, MergeRun], staging: Path, spill: Path, arch_info,
                 options, device: str, freed: FreedMemory) -> None:
     """Graft every tensor once per grid point, as it is read, into each point's own (spilling) writer."""
     out_config, saves = _planned_tensors(config, arch_info, options, staging)
@@ -322,18 +322,18 @@ def _write_grid(config, source: str, views: dict[GridPoint, MergeRun], staging: 
         [ref for ref, role in roles.items() if role == "donor_ft"],
         [ref for ref, role in roles.items() if role == "delta"],
     )
-    folders = {point: staging / point.folder for point in views}
+    folders = {point: staging / point.folder for point in runs}
     spill.mkdir(parents=True, exist_ok=True)
     writers = {point: SpillingWriter(folder, spill, options) for point, folder in folders.items()}
-    for save in tqdm(saves, desc=f"graft sweep ({len(views)} models)", disable=options.quiet, unit="tensor"):
-        _write_tensor(save, views, writers, refs, device, options, freed)
+    for save in tqdm(saves, desc=f"graft sweep ({len(runs)} models)", disable=options.quiet, unit="tensor"):
+        _write_tensor(save, runs, writers, refs, device, options, freed)
         freed.step()  # this tensor's inputs, before the next one's are read
     for point, writer in writers.items():
         writer.finalize()
         _write_model_files(config, source, point, str(folders[point]), out_config, arch_info, options)
 
 
-def _write_tensor(save, views: dict[GridPoint, MergeRun], writers: dict, refs: tuple, device: str, options,
+def _write_tensor(save, runs: dict[GridPoint, MergeRun], writers: dict, refs: tuple, device: str, options,
                   freed: FreedMemory) -> None:
     """One output weight for every grid point: its inputs read once, then grafted, cast and written per point."""
     name = save.tensor_name
@@ -350,9 +350,9 @@ def _write_tensor(save, views: dict[GridPoint, MergeRun], writers: dict, refs: t
         deltas = [aligned[ref] for ref in delta_refs]
     storage = device if options.low_cpu_memory else "cpu"
     out_dtype = dtype_from_name(save.dtype) if save.dtype else None
-    for point, view in views.items():
+    for point, run in runs.items():
         with torch.no_grad():
-            tensor = buffer if buffer is not None else graft_opened(view, name, post, donor, fine_tunes, deltas,
+            tensor = buffer if buffer is not None else graft_opened(run, name, post, donor, fine_tunes, deltas,
                                                                     out_dtype=out_dtype)
         tensor = tensor.to(storage)
         if save.dtype:

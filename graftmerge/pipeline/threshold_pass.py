@@ -5,9 +5,10 @@ tensor: this pass reads the deltas and the Fisher once before the merge
 (see ``compute_global_threshold`` for the rare second look), and stores the result in the
 user's cache keyed by a fingerprint of the inputs, the cache and the parameters, so a
 second run with the same inputs skips it. Nothing is kept in the process: a merge holds
-its threshold in its :class:`~graftmerge.pipeline.merge_run.MergeRun`. A stored threshold is trusted only as far as it is checked:
-its record's name is keyed by the user's secret (:mod:`graftmerge.formats.user_cache`),
-its k and D must be this plan's, and the merge counts what it masks (``check_masked_total``).
+its threshold in its :class:`~graftmerge.pipeline.merge_run.MergeRun`. A stored threshold
+is trusted only as far as it is checked: its record's name is keyed by the user's secret
+(:mod:`graftmerge.formats.user_cache`), its k and D must be this plan's, and the merge
+counts what it masks (``check_masked_total``).
 """
 
 from __future__ import annotations
