@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import error_line, graft_yaml, read_model, run_cli, write_mixed_cache
 from mergekit.common import ModelReference
 from mergekit.merge_methods import merge_state_dicts
 from mergekit.merge_methods.base import TensorGroup
@@ -24,6 +23,10 @@ from mergekit.merge_methods.base import TensorGroup
 from graftmerge.adapter import merge_method
 from graftmerge.errors import GraftError
 from graftmerge.pipeline import graft
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_mixed_cache
+from tests.helpers.models import read_model
+from tests.helpers.runners import error_line, run_cli
 
 
 @pytest.fixture(scope="module")

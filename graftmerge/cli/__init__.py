@@ -121,7 +121,12 @@ MAIN_COMMANDS = {
 }
 
 
-@click.group(cls=LazyGroup, lazy_commands=MAIN_COMMANDS, wrap_errors=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=LazyGroup,
+    lazy_commands=MAIN_COMMANDS,
+    wrap_errors=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.version_option(__version__, prog_name="graftmerge")
 def main() -> None:
     """Graft a fine-tuning delta learned on a donor checkpoint onto a post-trained model.

@@ -14,7 +14,7 @@ import sys
 
 from graftmerge.cli.errors import one_line_click_errors, raise_for_cli
 from graftmerge.errors import GraftError
-from graftmerge.pipeline.graft_plan import check_yaml_documents, read_merge_config
+from graftmerge.pipeline.config_files import check_yaml_documents, read_merge_config
 
 
 def wrap_config_script(script_module) -> None:

@@ -1,10 +1,14 @@
-"""The package's shape, checked: imports point down the layers, no cycles, documented.
+"""The package's shape, checked: imports point down the layers, no cycles, documented;
+and the test suite's: no test module imports another (shared code is in tests/helpers/).
 
 The layers, lowest first (docs/architecture.md draws them). A module may import
 its own package and any package of a lower layer; packages that share a layer do
 not import each other. Imports sit at the top of their module, except in the
 two places whose laziness keeps start-up fast: ``cli/`` (``graftmerge --help``
 must not import torch) and the ``.pth`` import hook (it runs in every Python).
+``graftmerge/__init__.py`` re-exports the public API from every layer without importing
+it: names load on first use, and its ``if TYPE_CHECKING:`` imports never run, so they are
+not edges of the import graph.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "graftmerge"
 
 LAYERS: list[set[str]] = [
-    {"", "errors"},  # graftmerge/__init__.py (the version), the one exception type
+    {"", "errors", "fisher"},  # __init__.py (version, lazy public API), the one exception type, fisher.py (its deprecated alias)
     {"math"},  # pure tensors in, tensors out
     {"formats"},  # files on disk: checkpoints, Fisher caches, delta folders, GGUF
     {"hub"},  # the same artifacts on the Hugging Face Hub
@@ -53,12 +57,23 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
+def for_type_checkers(path: Path, tree: ast.Module) -> set[int]:
+    """The imports under ``if TYPE_CHECKING:`` in graftmerge/__init__.py: they never run."""
+    if path != PACKAGE / "__init__.py":
+        return set()
+    blocks = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+    return {id(node) for block in blocks for node in ast.walk(block) if isinstance(node, ast.Import | ast.ImportFrom)}
+
+
 def graftmerge_imports(path: Path) -> list[tuple[str, list[str], bool, int]]:
     """(imported module, imported names, at module top level, line) for every graftmerge import."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     top_level = {id(node) for node in tree.body}
+    skipped = for_type_checkers(path, tree)
     found = []
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "graftmerge":
             found.append((node.module, [a.name for a in node.names], id(node) in top_level, node.lineno))
         elif isinstance(node, ast.Import):
@@ -70,8 +85,9 @@ def graftmerge_imports(path: Path) -> list[tuple[str, list[str], bool, int]]:
 
 def all_imports(path: Path) -> list[tuple[ast.stmt, bool]]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    top_level = {id(node) for node in tree.body}
-    return [(n, id(n) in top_level) for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+    top_level, skipped = {id(node) for node in tree.body}, for_type_checkers(path, tree)
+    return [(n, id(n) in top_level) for n in ast.walk(tree)
+            if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skipped]
 
 
 def resolve(module: str, name: str) -> str:
@@ -239,6 +255,7 @@ PER_PROCESS = {
     "formats/user_cache.py:_warned": "each cache warning once per process",
     "formats/bounded_regex.py:_translated": "a pure function of a pattern, memoised",
     "formats/bounded_regex.py:_members": "a pure function of a regex node, memoised",
+    "math/paired_tests.py:student_t_quantile": "a pure function of its arguments, memoised",
     "math/projection.py:KFAC_ROTATIONS": "instrumentation: rotations done in this process, read by benchmarks "
                                          "and tests, never by a merge",
     "pipeline/lora_inputs.py:_MADE_FROM_FACTORS": "weak, by tensor: lives exactly as long as the tensors "
@@ -283,3 +300,32 @@ def test_no_module_level_store_of_a_merge():
              for path in MODULES.values() for name in module_stores(ast.parse(path.read_text(encoding="utf-8")))}
     assert found - set(PER_PROCESS) == set(), "module-level stores (a merge's state belongs in its MergeRun)"
     assert set(PER_PROCESS) - found == set(), "PER_PROCESS lists stores that are gone: remove them from the list"
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def imported_modules(node: ast.Import | ast.ImportFrom) -> list[tuple[str, bool]]:
+    """(dotted name, relative) of every module an import statement may load, ``from X import Y`` giving X and X.Y."""
+    if isinstance(node, ast.Import):
+        return [(alias.name, False) for alias in node.names]
+    base = node.module or ""
+    return [(base, node.level > 0)] + [(f"{base}.{alias.name}".strip("."), node.level > 0) for alias in node.names]
+
+
+def test_no_test_module_imports_another_or_conftest():
+    """Each tests/test_*.py stands alone: shared code lives in tests/helpers/, fixtures in
+    tests/conftest.py (which pytest loads itself, never imported as a module)."""
+    wrong = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node, _ in all_imports(path):
+            for name, relative in imported_modules(node):
+                parts = name.split(".")
+                if parts[0] == "tests" and not relative:
+                    parts = parts[1:]
+                elif not relative and parts[0] not in {p.stem for p in TESTS.glob("*.py")}:
+                    continue
+                if parts and (parts[0].startswith("test_") or parts[0] == "conftest"):
+                    wrong.append(f"{path.relative_to(TESTS.parent)}:{node.lineno} imports {name}")
+                    break
+    assert not wrong, "test modules importing test modules (move shared code to tests/helpers/):\n" + "\n".join(wrong)
