@@ -223,6 +223,87 @@ def test_functions_are_short():
     assert not long, "functions over 60 lines:\n" + "\n".join(long)
 
 
+def test_click_only_in_cli():
+    """Only the command line knows click: below it, a refusal is a GraftError (cli/ says it in one line)."""
+    wrong = []
+    for module, path in MODULES.items():
+        if package_of(module) == "cli":
+            continue
+        for node, _ in all_imports(path):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if any(name.split(".")[0] == "click" for name in names):
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not wrong, "click imported outside graftmerge/cli/:\n" + "\n".join(wrong)
+
+
+def test_graft_plan_is_built_in_one_place():
+    """``GraftPlan(...)`` is called once in the package (``graft_plan.build_plan``); everything else derives plans
+    from one with ``dataclasses.replace``."""
+    calls = []
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "GraftPlan":
+                calls.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert len(calls) == 1 and calls[0].startswith("graftmerge/pipeline/graft_plan.py:"), calls
+
+
+# Module-level stores that outlive a call, each with the reason it is not a merge's state.
+# A merge's state lives in its MergeRun (pipeline/merge_run.py) and nowhere else.
+PER_PROCESS = {
+    "adapter/merge_method.py:_ACTIVE_RUNS": "mergekit's per-tensor tasks carry only an id: a merge's run is "
+                                             "findable by it while mergekit's run_merge runs, and removed after",
+    "formats/output_folder.py:_ARRIVALS": "test hook: arrivals of this process at a stage, as the process's "
+                                          "$GRAFTMERGE_TEST_STOP_AT counts them",
+    "formats/user_cache.py:_warned": "each cache warning once per process",
+    "formats/bounded_regex.py:_translated": "a pure function of a pattern, memoised",
+    "formats/bounded_regex.py:_members": "a pure function of a regex node, memoised",
+    "math/paired_tests.py:student_t_quantile": "a pure function of its arguments, memoised",
+    "math/projection.py:KFAC_ROTATIONS": "instrumentation: rotations done in this process, read by benchmarks "
+                                         "and tests, never by a merge",
+    "pipeline/lora_inputs.py:_MADE_FROM_FACTORS": "weak, by tensor: lives exactly as long as the tensors "
+                                                  "lora_delta_state_dict made",
+}
+CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque", "WeakIdKeyDictionary",
+              "WeakKeyDictionary", "WeakValueDictionary"}
+MUTATORS = {"append", "add", "update", "setdefault", "pop", "popitem", "clear", "extend", "insert", "remove",
+            "discard", "__setitem__"}
+
+
+def callee_name(node: ast.expr) -> str | None:
+    """``f`` of ``f``, ``m.f``, ``f(...)`` or ``m.f(...)``."""
+    node = node.func if isinstance(node, ast.Call) else node
+    return getattr(node, "id", getattr(node, "attr", None))
+
+
+def module_stores(tree: ast.Module) -> set[str]:
+    """Names of module-level containers the module writes into, and of its memoised (``lru_cache``) functions."""
+    containers = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        made = isinstance(value, ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp | ast.SetComp) or (
+            isinstance(value, ast.Call) and callee_name(value) in CONTAINERS)
+        containers.update(t.id for t in targets if made and isinstance(t, ast.Name))
+    written = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store | ast.Del):
+            written.add(getattr(node.value, "id", None))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            written.add(getattr(node.func.value, "id", None))
+    memoised = {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and any(
+        callee_name(decorator) in ("lru_cache", "cache") for decorator in node.decorator_list)}
+    return (containers & written) | memoised
+
+
+def test_no_module_level_store_of_a_merge():
+    """No dict, set or list at module level that its module fills, and no memoised function, unless listed
+    in PER_PROCESS with the reason it holds nothing of a merge (and every listed one still exists)."""
+    found = {f"{path.relative_to(PACKAGE).as_posix()}:{name}"
+             for path in MODULES.values() for name in module_stores(ast.parse(path.read_text(encoding="utf-8")))}
+    assert found - set(PER_PROCESS) == set(), "module-level stores (a merge's state belongs in its MergeRun)"
+    assert set(PER_PROCESS) - found == set(), "PER_PROCESS lists stores that are gone: remove them from the list"
+
+
 TESTS = Path(__file__).resolve().parent
 
 

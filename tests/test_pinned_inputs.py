@@ -135,7 +135,6 @@ def test_python_api_run_merge_raises_when_a_shard_changes_during_the_merge(input
     from mergekit.merge import MergeOptions, run_merge
 
     from graftmerge.errors import GraftError
-    from graftmerge.pipeline.graft import forget_process_state
 
     original, calls = graft.graft_opened, []
 
@@ -146,14 +145,12 @@ def test_python_api_run_merge_raises_when_a_shard_changes_during_the_merge(input
         return original(*args, **kwargs)
 
     monkeypatch.setattr(graft, "graft_opened", graft_then_change)
-    forget_process_state()
     import yaml
 
     config = MergeConfiguration.model_validate(yaml.safe_load(inputs["config"].read_text()))
     out = tmp_path / "out"
     with pytest.raises(GraftError, match="changed while the merge read it .replaced by another file.; run again"):
         run_merge(config, str(out), options=MergeOptions(quiet=True))
-    forget_process_state()
     assert not out.exists()
 
 

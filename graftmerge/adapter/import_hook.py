@@ -5,7 +5,13 @@ mergekit has no plugin entry point, only ``mergekit.merge_methods.register()``.
 at interpreter start-up; it only appends a finder to ``sys.meta_path``. When
 mergekit's registry module is first imported, the finder runs the real module
 and then registers ``graft``; when ``mergekit.merge`` is imported, it wraps
-``run_merge`` so graft configs are validated before mergekit loads a tensor.
+``run_merge`` so graft configs are validated before mergekit loads a tensor; when
+``mergekit-yaml``'s or ``mergekit-multi``'s command module is imported, it hands the
+command to :mod:`graftmerge.cli.mergekit_scripts` (one ``error:`` line per refusal).
+
+The table below names those handlers as strings: this module imports none of them
+itself (it runs at every interpreter start), so it is no import arrow up the layers;
+the handler of a click command is in ``cli/``, the only layer that knows click.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import sys
 _AFTER_IMPORT = {
     "mergekit.merge_methods.registry": ("graftmerge.adapter.merge_method", "register_graft"),
     "mergekit.merge": ("graftmerge.adapter.merge_method", "wrap_run_merge"),
-    "mergekit.scripts.run_yaml": ("graftmerge.adapter.merge_method", "wrap_config_script"),
-    "mergekit.scripts.multimerge": ("graftmerge.adapter.merge_method", "wrap_config_script"),
+    # mergekit's click commands: their errors are the command line's business (graftmerge.cli)
+    "mergekit.scripts.run_yaml": ("graftmerge.cli.mergekit_scripts", "wrap_config_script"),
+    "mergekit.scripts.multimerge": ("graftmerge.cli.mergekit_scripts", "wrap_config_script"),
 }
 
 

@@ -3,6 +3,14 @@
 Registered by the import hook when mergekit's registry is first imported, so
 the stock ``mergekit-yaml`` knows ``merge_method: graft``.
 
+mergekit plans one task per tensor from the config's parameters and calls ``merge_group``
+with them; it cannot hand a task an object. So each graft merge's
+:class:`~graftmerge.pipeline.merge_run.MergeRun` is registered (:func:`registered_run`) for
+the duration of mergekit's ``run_merge``, under an id the merge puts into the config
+mergekit sees (the parameter ``graft_run``); ``merge_group`` looks its run up by that id,
+and nothing else: that lookup is the one place per-merge state is found rather than
+handed down.
+
 mergekit's registry module is imported at the top, safely in either order: when the
 hook imports this module, the registry has already run; when this module is imported
 first, its mergekit imports run the registry (the hook then finds ``register_graft``
@@ -11,8 +19,11 @@ not yet defined and skips it), and the lines at the bottom register graft.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import uuid
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -29,22 +40,46 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
-from graftmerge.errors import GraftError, one_line_click_errors
+from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import InMemoryCheckpoint
-from graftmerge.hub.models import resolve_model_folder
-from graftmerge.pipeline.config_files import check_yaml_documents, read_merge_config
-from graftmerge.pipeline.graft import (
-    graft_in_memory,
-    graft_tensor,
-    raise_for_cli,
-    run_graft_merge,
-    validated_plan,
-    was_validated,
-)
-from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan, positional_roles
+from graftmerge.pipeline.graft import graft_in_memory, graft_tensor, run_graft_merge
+from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, build_plan, positional_roles
 from graftmerge.pipeline.lora_inputs import InMemoryDelta
+from graftmerge.pipeline.merge_run import MergeRun
 
 PAPER_URL = "https://arxiv.org/abs/2610.05872"
+RUN_PARAMETER = "graft_run"  # the id of the merge a task belongs to, put into the config mergekit sees
+
+
+# The graft merges running in this process, by id, each for exactly as long as mergekit's
+# run_merge runs: per process by necessity (mergekit's tasks carry only parameters), and
+# empty once every merge has returned. Keyed by an id carried in the tasks' parameters, not
+# "the current merge": mergekit may run tasks in other threads (--multi-gpu), and two merges
+# may run at once in one process.
+_ACTIVE_RUNS: dict[str, MergeRun] = {}
+
+
+@contextlib.contextmanager
+def registered_run(run: MergeRun) -> Iterator[str]:
+    """``run`` findable by the id this yields (:func:`find_run`), until the block ends, however it ends."""
+    run_id = f"graft-run-{uuid.uuid4().hex}"
+    _ACTIVE_RUNS[run_id] = run
+    try:
+        yield run_id
+    finally:
+        del _ACTIVE_RUNS[run_id]
+
+
+def find_run(run_id: str | None) -> MergeRun:
+    """The run registered under ``run_id``; GraftError when there is none (a task outside a graft merge)."""
+    run = _ACTIVE_RUNS.get(run_id) if run_id is not None else None
+    if run is None:
+        raise GraftError(
+            "graft ran a tensor outside a graft merge: run graft configs through mergekit's run_merge "
+            "(mergekit-yaml, mergekit-multi, graftmerge merge) with graftmerge installed, or merge "
+            "tensors in memory with merge_state_dicts"
+        )
+    return run
 
 
 class GraftMergeMethod(GroupMergeMethod):
@@ -63,6 +98,7 @@ class GraftMergeMethod(GroupMergeMethod):
                 ParameterSpec("fisher", str | None, ParameterScope.SHARED, default=None),
                 ParameterSpec("rho_scope", str, ParameterScope.SHARED, default="global"),
                 ParameterSpec("mask", str, ParameterScope.SHARED, default="auto"),
+                ParameterSpec(RUN_PARAMETER, str | None, ParameterScope.SHARED, default=None),
             ),
             contract=InputContract(base=BasePolicy.REQUIRED, min_non_base=1),  # one role: delta is a graft
         )
@@ -77,45 +113,23 @@ class GraftMergeMethod(GroupMergeMethod):
         super().validate_inputs(input_ids, base_id, group_name=group_name)
 
     def merge_group(self, group: TensorGroup, /, **parameters: Any) -> torch.Tensor:
-        """One weight from mergekit's graph: sort the inputs by role, validate the plan, graft."""
+        """One weight from mergekit's graph: its merge's run (by the id in the parameters), inputs sorted by role, graft."""
+        run = find_run(parameters[RUN_PARAMETER])
         post = group.base.tensor
-        donor, donor_folder, fine_tunes, fine_tune_tensors, deltas, delta_tensors = None, None, [], [], [], []
-        for entry in group.non_base:
+        donor, fine_tunes, deltas = None, [], []
+        for entry in group.non_base:  # in config order, as the run's plan lists them
             role = parameters["role"][entry.id]
-            folder = resolve_model_folder(entry.id.model.path, entry.id.model.revision)
-            lora = entry.id.lora and resolve_model_folder(entry.id.lora.path, entry.id.lora.revision)
             if role == "donor":
                 donor = entry.tensor
-                donor_folder = folder
             elif role == "donor_ft":
-                fine_tunes.append(FineTune(folder, parameters["weight"][entry.id], adapter=lora))
-                fine_tune_tensors.append(entry.tensor)
-            elif role == "delta":  # a LoRA folder arrives as POST+ADAPTER (graftmerge.pipeline.lora_inputs)
-                deltas.append(FineTune(lora or folder, parameters["weight"][entry.id]))
-                delta_tensors.append(entry.tensor)
+                fine_tunes.append(entry.tensor)
+            elif role == "delta":
+                deltas.append(entry.tensor)
             else:
                 raise GraftError(f"model {entry.id} has role {role!r}; roles are donor, donor_ft, delta")
-        post_folder = resolve_model_folder(group.base.id.model.path, group.base.id.model.revision)
         if donor is None and fine_tunes:  # base_model listed again as role donor: mergekit folds it into the base
-            donor, donor_folder = post, post_folder
-        if not (fine_tunes or deltas):
-            raise GraftError("graft needs role delta inputs, or one role donor and at least one role donor_ft")
-        plan = validated_plan(
-            GraftPlan(
-                post=post_folder,
-                donor=donor_folder,
-                fine_tunes=tuple(fine_tunes),
-                deltas=tuple(deltas),
-                lam=parameters["lambda"],
-                rho=parameters["rho"],
-                fisher=parameters["fisher"],
-                rho_scope=parameters["rho_scope"],
-                mask=parameters["mask"],
-            )
-        )
-        if donor_folder == post_folder and not was_validated(plan):
-            raise GraftError("graft needs role delta inputs, or one role donor and at least one role donor_ft")
-        return graft_tensor(plan, group.metadata.name, post, donor, fine_tune_tensors, delta_tensors)
+            donor = post
+        return graft_tensor(run, group.metadata.name, post, donor, fine_tunes, deltas)
 
     def _execute(self, groups, parameters, options, *, input_dtypes, out_dtype=None):
         """Model folders (mergekit's graph) go tensor by tensor; in-memory inputs all at once.
@@ -162,18 +176,15 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
     donor_id = next((key for key in non_base if roles[key] == "donor"), None)  # None: deltas only
     fine_tune_ids = [key for key in non_base if roles[key] == "donor_ft"]
     delta_ids = [key for key in non_base if roles[key] == "delta"]  # Δ state dicts, e.g. lora_delta_state_dict
-    plan = GraftPlan(
-        post=f"input {first.base.id!r}",
-        donor=None if donor_id is None else f"input {donor_id!r}",
-        fine_tunes=tuple(FineTune(f"input {key!r}", shared["weight"][key]) for key in fine_tune_ids),
-        deltas=tuple(FineTune(f"input {key!r}", shared["weight"][key]) for key in delta_ids),
-        lam=shared["lambda"],
-        rho=shared["rho"],
-        fisher=shared["fisher"],
-        rho_scope=shared["rho_scope"],
-        mask=shared["mask"],
+    if shared.get(RUN_PARAMETER) is not None:
+        raise GraftError(f"graft parameter {RUN_PARAMETER} is set by graftmerge itself, not by a caller")
+    plan = build_plan(
+        f"input {first.base.id!r}",
+        None if donor_id is None else f"input {donor_id!r}",
+        [FineTune(f"input {key!r}", shared["weight"][key]) for key in fine_tune_ids],
+        [FineTune(f"input {key!r}", shared["weight"][key]) for key in delta_ids],
+        shared,
     )
-    plan.check()
     inputs = GraftInputs.from_sources(
         plan,
         source(first.base.id, f"post (input {first.base.id!r})"),
@@ -224,6 +235,20 @@ def register_graft(registry_module: ModuleType = mergekit_registry) -> None:
         registry_module.register(graft_merge_method)
 
 
+def run_mergekit(original: Callable, run: MergeRun, config, out_path: str, options, config_source=None):
+    """mergekit's own ``run_merge`` on ``config`` for graft merge ``run``: the run registered in
+    this process's active runs meanwhile, and its id in the config's parameters where each task finds it.
+
+    mergekit writes the config it is given into the model card unless given its source:
+    the source is the config as the caller gave it, never with the id.
+    """
+    if not config_source:
+        config_source = config.to_yaml()
+    with registered_run(run) as run_id:
+        config = config.model_copy(update={"parameters": {**(config.parameters or {}), RUN_PARAMETER: run_id}})
+        return original(config, out_path, options=options, config_source=config_source)
+
+
 def wrap_run_merge(merge_module) -> None:
     """Route graft configs through run_graft_merge; other methods are untouched."""
     original = getattr(merge_module, "run_merge", None)
@@ -234,56 +259,12 @@ def wrap_run_merge(merge_module) -> None:
         """mergekit's run_merge; graft configs go through run_graft_merge (docstring: the original's)."""
         if merge_config.merge_method != "graft":
             return original(merge_config, out_path, options=options, config_source=config_source)
-        return run_graft_merge(original, merge_config, out_path, options, config_source)
+        return run_graft_merge(functools.partial(run_mergekit, original), merge_config, out_path, options,
+                               config_source)
 
     run_merge.__doc__ = original.__doc__
     run_merge._graftmerge_wrapped = True
     merge_module.run_merge = run_merge
-
-
-def wrap_config_script(script_module) -> None:
-    """``mergekit-yaml`` / ``mergekit-multi``: their config file is read by graftmerge's reader first.
-
-    mergekit parses the YAML itself, where a missing file, bad YAML or an integer past
-    Python's 4300-digit limit is a traceback; read first, any of them is one ``error:``
-    line and exit 2 (for every merge method: mergekit could not have run such a config).
-    A config that reads is then run by mergekit's own command, unchanged.
-    """
-    command = getattr(script_module, "main", None)
-    original = getattr(command, "callback", None)
-    if original is None or getattr(original, "_graftmerge_wrapped", False):
-        return
-    check = check_yaml_documents if script_module.__name__.endswith("multimerge") else read_merge_config
-
-    @functools.wraps(original)
-    def callback(*args, **kwargs):
-        """Read the config with graftmerge's checks, then run mergekit's command (docstring: the original's)."""
-        try:
-            check(kwargs["config_file"])
-        except GraftError as error:
-            raise_for_cli(error, verbose=getattr(kwargs.get("merge_options"), "verbosity", 0) > 0)
-        return original(*args, **kwargs)
-
-    callback._graftmerge_wrapped = True
-    command.callback = callback
-    _one_line_usage_errors(command)
-
-
-def _one_line_usage_errors(command) -> None:
-    """click's usage errors of mergekit's command (missing argument, unknown option) as ``error:`` lines too."""
-    make_context, invoke = command.make_context, command.invoke
-
-    def checked_make_context(*args, **kwargs):
-        """mergekit's command's context; a usage error is one ``error:`` line."""
-        with one_line_click_errors():
-            return make_context(*args, **kwargs)
-
-    def checked_invoke(context):
-        """mergekit's command run; click's own errors in it are one ``error:`` line."""
-        with one_line_click_errors():
-            return invoke(context)
-
-    command.make_context, command.invoke = checked_make_context, checked_invoke
 
 
 # Imported directly (not through the hook): register with whatever is loaded.
@@ -291,6 +272,3 @@ if "mergekit.merge_methods.registry" in sys.modules:
     register_graft(sys.modules["mergekit.merge_methods.registry"])
 if "mergekit.merge" in sys.modules:
     wrap_run_merge(sys.modules["mergekit.merge"])
-for _script in ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge"):
-    if _script in sys.modules:
-        wrap_config_script(sys.modules[_script])

@@ -3,7 +3,9 @@
 Every subcommand turns a :class:`GraftError` into ``error: <message>`` and exit
 status 2; ``-v`` shows the traceback instead. click's own usage errors (a missing
 argument, an unknown option, a bad option value) are said the same way: one
-``error:`` line naming the command's ``--help``, exit status 2.
+``error:`` line naming the command's ``--help``, exit status 2 (:mod:`graftmerge.cli.errors`:
+the only place errors meet click; :mod:`graftmerge.cli.mergekit_scripts` holds mergekit's
+own ``mergekit-yaml`` and ``mergekit-multi`` to the same contract).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import importlib
 import click
 
 from graftmerge import __version__
-from graftmerge.errors import GraftError, cli_error, one_line_click_errors
+from graftmerge.cli.errors import cli_error, one_line_click_errors
+from graftmerge.errors import GraftError
 
 
 def report_errors(command):

@@ -74,6 +74,8 @@ MERGE_SUFFIXES = frozenset(
 
 STOP_ENV = "GRAFTMERGE_TEST_STOP_AT"
 STAGES = ("scoring", "merging", "staged", "publish-aside", "publish-done")
+# Per process, not per merge: the test hook stops the process, armed by the process's own
+# environment, so it counts this process's arrivals at each stage; it holds no merge data.
 _ARRIVALS: dict[str, int] = {}
 
 

@@ -36,7 +36,7 @@ SECRET_BYTES = 32
 MAX_RECORD_BYTES = 1 << 20  # thresholds are a few KiB; anything larger is not ours
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_warned: set[str] = set()
+_warned: set[str] = set()  # per process: each warning once (a run of several merges need not repeat it)
 
 
 def cache_dir() -> Path:
@@ -216,6 +216,10 @@ class PassedChecks:
     Only ever written after the check passed on the exact bytes the subject names; the
     record's name is keyed by the user's secret (``record_name``), so a record cannot be
     planted by anyone who cannot read that secret.
+
+    An instance holds only its check's name (``ORTHONORMAL_PASSED`` is one, module-wide):
+    what passed is on disk, shared by every run of this user on purpose (a record vouches
+    for bytes, never for a merge), so it keeps nothing of any merge in the process.
     """
 
     def __init__(self, check: str):

@@ -4,6 +4,7 @@ config_files      merge config files read: YAML parsed, mergekit's schema checke
 graft_plan        validate a config; open its inputs (GraftPlan, GraftInputs)
 trusted_code      which inputs may run their own code (the trust_remote_code parameter)
 threshold_pass    the streaming pre-pass that finds the global ⌈ρ·D⌉-th score
+merge_run         MergeRun: one merge's state (inputs, threshold, kept masks), born and gone with it
 graft             the per-tensor kernel and the staged, validated merge around mergekit
 lora_inputs       LoRA adapters inside mergekit's graph (loaders, config view, low-rank Δ̃)
 plan / sweep      masks for many ρ from one scoring pass; a λ × ρ grid in one run

@@ -12,7 +12,6 @@ import math
 import os
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -148,8 +147,8 @@ class GraftInputs:
     fine_tunes: list[Checkpoint]
     fisher: FisherCache | None
     _fisher_kind: dict[str, str | None] = field(default_factory=dict)
-    memo: dict = field(default_factory=dict)  # per-plan results other modules derive once
     deltas: list[Checkpoint] = field(default_factory=list)  # role: delta folders, in plan order
+    _pinned: tuple[dict, dict] | None = field(default=None, repr=False)  # (post's files, the others'), once
 
     @classmethod
     def open(cls, plan: GraftPlan) -> GraftInputs:
@@ -193,14 +192,13 @@ class GraftInputs:
         Taken once: later calls return the same identities, so ``check_unchanged`` compares
         with what was validated and scored, not with what is there now.
         """
-        if "pinned" not in self.memo:
-            post = self.post.pinned()
+        if self._pinned is None:
             others: dict[Path, FileIdentity] = {}
             for source in (self.donor, *self.fine_tunes, *self.deltas, self.fisher):
                 if source is not None:
                     others.update(source.pinned())
-            self.memo["pinned"] = (post, others)
-        post, others = self.memo["pinned"]
+            self._pinned = (self.post.pinned(), others)
+        post, others = self._pinned
         return {**post, **others} if with_post else dict(others)
 
     def check_unchanged(self) -> None:
@@ -280,9 +278,12 @@ class GraftInputs:
         return donor_delta(donor, fine_tunes, self.plan.lambdas, deltas, self.plan.delta_lambdas)
 
 
-@lru_cache(maxsize=8)
 def open_inputs(plan: GraftPlan) -> GraftInputs:
-    """GraftInputs.open, once per plan per process (the merge kernel calls it per tensor)."""
+    """``GraftInputs.open(plan)``: every input opened and checked, anew at each call (nothing is kept per process).
+
+    A merge opens its inputs once, when it starts, and keeps them in its
+    :class:`~graftmerge.pipeline.merge_run.MergeRun`.
+    """
     return GraftInputs.open(plan)
 
 
@@ -469,11 +470,19 @@ def plan_from_merge_config(config) -> GraftPlan:
     check_distinct_inputs(named)
     donors = _with_implied_donor(donors, fine_tunes, config.base_model.model)
     check_role_counts(len(donors), len(fine_tunes), deltas=len(deltas))
+    plan = build_plan(post, donors[0] if donors else None, fine_tunes, deltas, parameters, dtype=config.dtype)
+    return check_trusted_code(config, plan)
+
+
+def build_plan(post: str, donor: str | None, fine_tunes: Sequence[FineTune], deltas: Sequence[FineTune],
+               parameters: Mapping, dtype: str | None = None) -> GraftPlan:
+    """The one place a GraftPlan is made: its inputs, and the graft's shared parameters (lambda, rho, fisher,
+    rho_scope, mask) as a config writes them or mergekit binds them, each a single value; checked (``plan.check``)."""
     fisher = parameters.get("fisher")
     fisher = None if fisher is None else str(_scalar(fisher, "fisher"))
     plan = GraftPlan(
         post=post,
-        donor=donors[0] if donors else None,
+        donor=donor,
         fine_tunes=tuple(fine_tunes),
         deltas=tuple(deltas),
         lam=_number(parameters.get("lambda", 1.0), "lambda"),
@@ -481,10 +490,10 @@ def plan_from_merge_config(config) -> GraftPlan:
         fisher=fisher,
         rho_scope=str(_scalar(parameters.get("rho_scope", "global"), "rho_scope")),
         mask=str(_scalar(parameters.get("mask", "auto"), "mask")),
-        dtype=config.dtype,
+        dtype=dtype,
     )
     plan.check()
-    return check_trusted_code(config, plan)
+    return plan
 
 
 def _entry_role(label: str, model_parameters: dict, seen: dict[str, str]) -> str:

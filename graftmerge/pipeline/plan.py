@@ -63,13 +63,13 @@ def shared_reads(inputs: GraftInputs) -> GraftInputs:
             changes[item.name] = ReadOnce(value)
         elif isinstance(value, list) and value and all(_is_source(v) for v in value):
             changes[item.name] = [ReadOnce(v) for v in value]
-    return dataclasses.replace(inputs, memo={}, **changes)
+    return dataclasses.replace(inputs, **changes)
 
 
 def grid_views(inputs: GraftInputs, plans: dict[Hashable, GraftPlan]) -> dict[Hashable, GraftInputs]:
     """One GraftInputs per plan, all sharing ``inputs``' sources, Fisher cache and checks."""
     shared = shared_reads(inputs)
-    return {key: dataclasses.replace(shared, plan=plan, memo={}) for key, plan in plans.items()}
+    return {key: dataclasses.replace(shared, plan=plan) for key, plan in plans.items()}
 
 
 @dataclass

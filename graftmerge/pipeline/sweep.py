@@ -62,6 +62,7 @@ from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.pipeline.graft import graft_opened
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan, plan_inputs
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
+from graftmerge.pipeline.merge_run import MergeRun
 from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs
 from graftmerge.pipeline.plan import grid_views, score_pass
 
@@ -276,25 +277,26 @@ def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out
         LoaderCache().setup(options=options)
         device = options.device or "cpu"
         freed = FreedMemory()
-        views = _grid_views(inputs, plans, output.scratch / "kfac-rotations", device, freed,
-                            progress=not options.quiet)
+        runs = _grid_views(inputs, plans, output.scratch / "kfac-rotations", device, freed,
+                           progress=not options.quiet)
         inputs.check_unchanged()  # the pass read what was validated
-        _write_grid(config, source, views, output.staging, output.scratch / "spill", arch_info, options, device,
+        _write_grid(config, source, runs, output.staging, output.scratch / "spill", arch_info, options, device,
                     freed)
         inputs.check_unchanged()  # and so did the merge: else nothing is published
     return [output.out / point.folder for point in points]
 
 
 def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch: Path, device: str,
-                freed: FreedMemory, progress: bool) -> dict[GridPoint, GraftInputs]:
-    """Each grid point's GraftInputs, with its global threshold and the λ's kept Δ̃ in its memo."""
+                freed: FreedMemory, progress: bool) -> dict[GridPoint, MergeRun]:
+    """Each grid point's merge: its view of the shared inputs, with its global threshold and the λ's kept Δ̃."""
     views = grid_views(inputs, plans)
     fisher = _LastFisher(inputs.fisher) if inputs.fisher is not None else None
     for view in views.values():
         view.fisher = fisher
+    runs = {point: MergeRun(view) for point, view in views.items()}
     global_points = [p for p, plan in plans.items() if plan.masked and plan.rho_scope == "global"]
     if not global_points:
-        return views
+        return runs
     lambdas = sorted({p.lam for p in global_points})
     rhos = sorted({p.rho for p in global_points})
     by_lambda = {lam: views[next(p for p in global_points if p.lam == lam)] for lam in lambdas}
@@ -304,12 +306,12 @@ def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch:
     slot: list = []
     kept = {lam: _LastRotation(store, slot) for lam, store in stores.items()}
     for point in global_points:
-        views[point].memo["global_threshold"] = results[point.lam].thresholds[point.rho]
-        views[point].memo["rotations"] = kept[point.lam]
-    return views
+        runs[point].threshold = results[point.lam].thresholds[point.rho]
+        runs[point].rotations = kept[point.lam]
+    return runs
 
 
-def _write_grid(config, source: str, views: dict[GridPoint, GraftInputs], staging: Path, spill: Path, arch_info,
+def _write_grid(config, source: str, runs: dict[GridPoint, MergeRun], staging: Path, spill: Path, arch_info,
                 options, device: str, freed: FreedMemory) -> None:
     """Graft every tensor once per grid point, as it is read, into each point's own (spilling) writer."""
     out_config, saves = _planned_tensors(config, arch_info, options, staging)
@@ -320,18 +322,18 @@ def _write_grid(config, source: str, views: dict[GridPoint, GraftInputs], stagin
         [ref for ref, role in roles.items() if role == "donor_ft"],
         [ref for ref, role in roles.items() if role == "delta"],
     )
-    folders = {point: staging / point.folder for point in views}
+    folders = {point: staging / point.folder for point in runs}
     spill.mkdir(parents=True, exist_ok=True)
     writers = {point: SpillingWriter(folder, spill, options) for point, folder in folders.items()}
-    for save in tqdm(saves, desc=f"graft sweep ({len(views)} models)", disable=options.quiet, unit="tensor"):
-        _write_tensor(save, views, writers, refs, device, options, freed)
+    for save in tqdm(saves, desc=f"graft sweep ({len(runs)} models)", disable=options.quiet, unit="tensor"):
+        _write_tensor(save, runs, writers, refs, device, options, freed)
         freed.step()  # this tensor's inputs, before the next one's are read
     for point, writer in writers.items():
         writer.finalize()
         _write_model_files(config, source, point, str(folders[point]), out_config, arch_info, options)
 
 
-def _write_tensor(save, views: dict[GridPoint, GraftInputs], writers: dict, refs: tuple, device: str, options,
+def _write_tensor(save, runs: dict[GridPoint, MergeRun], writers: dict, refs: tuple, device: str, options,
                   freed: FreedMemory) -> None:
     """One output weight for every grid point: its inputs read once, then grafted, cast and written per point."""
     name = save.tensor_name
@@ -348,9 +350,9 @@ def _write_tensor(save, views: dict[GridPoint, GraftInputs], writers: dict, refs
         deltas = [aligned[ref] for ref in delta_refs]
     storage = device if options.low_cpu_memory else "cpu"
     out_dtype = dtype_from_name(save.dtype) if save.dtype else None
-    for point, view in views.items():
+    for point, run in runs.items():
         with torch.no_grad():
-            tensor = buffer if buffer is not None else graft_opened(view, name, post, donor, fine_tunes, deltas,
+            tensor = buffer if buffer is not None else graft_opened(run, name, post, donor, fine_tunes, deltas,
                                                                     out_dtype=out_dtype)
         tensor = tensor.to(storage)
         if save.dtype:

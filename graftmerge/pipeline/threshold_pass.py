@@ -2,11 +2,13 @@
 
 Each merge call sees one tensor, but a global top-ρ mask depends on every
 tensor: this pass reads the deltas and the Fisher once before the merge
-(see ``global_threshold`` for the rare second look), and stores the result keyed by a
-fingerprint of the inputs, the cache and the parameters, so a second run with
-the same inputs skips it. A stored threshold is trusted only as far as it is checked:
-its record's name is keyed by the user's secret (:mod:`graftmerge.formats.user_cache`),
-its k and D must be this plan's, and the merge counts what it masks (``check_masked_total``).
+(see ``compute_global_threshold`` for the rare second look), and stores the result in the
+user's cache keyed by a fingerprint of the inputs, the cache and the parameters, so a
+second run with the same inputs skips it. Nothing is kept in the process: a merge holds
+its threshold in its :class:`~graftmerge.pipeline.merge_run.MergeRun`. A stored threshold
+is trusted only as far as it is checked: its record's name is keyed by the user's secret
+(:mod:`graftmerge.formats.user_cache`), its k and D must be this plan's, and the merge
+counts what it masks (``check_masked_total``).
 """
 
 from __future__ import annotations
@@ -42,12 +44,6 @@ from graftmerge.pipeline.finite_values import check_scores
 from graftmerge.pipeline.graft_plan import GraftInputs
 from graftmerge.pipeline.lora_inputs import scored_delta
 
-_MEMORY: dict[str, tuple[GlobalThreshold, str | None]] = {}  # by key: the threshold, its record's name
-
-
-def forget_thresholds() -> None:
-    """Drop the thresholds this process remembers (the on-disk cache is kept)."""
-    _MEMORY.clear()
 NO_CACHE_ENV = "GRAFTMERGE_NO_THRESHOLD_CACHE"
 
 
@@ -81,15 +77,8 @@ def threshold_key(inputs: GraftInputs, device: str) -> str:
     a file edited in place, even outside the sampled windows with its mtime put back,
     or replaced by another, is a new key.
 
-    Computed once per opened inputs and device (the merge kernel asks per tensor).
+    Computed at each call (sha256 of sampled windows of every input): a merge asks once, when it starts.
     """
-    cached = inputs.memo.get(("threshold_key", device))
-    if cached is None:
-        cached = inputs.memo[("threshold_key", device)] = _threshold_key(inputs, device)
-    return cached
-
-
-def _threshold_key(inputs: GraftInputs, device: str) -> str:
     plan = dataclasses.asdict(inputs.plan)
     plan.pop("post")  # Δ and F do not depend on θpost; the cache was checked against it
     payload = {
@@ -108,30 +97,22 @@ def _threshold_key(inputs: GraftInputs, device: str) -> str:
 
 def global_threshold(
     inputs: GraftInputs, device: str = "cpu", progress: bool = True, rotations: RotationStore | None = None
-) -> GlobalThreshold:
-    """The global threshold for a plan: from memory, the on-disk cache, or a fresh pass.
+) -> tuple[GlobalThreshold, str | None]:
+    """(the global threshold for a plan, the name of its record in the user's cache): from that cache, or a fresh pass.
 
     A fresh pass saves each KFAC weight's Δ̃ into ``rotations`` when given. With the
-    cache disabled (``threshold_cache_enabled``), it is computed once for these opened
-    inputs and neither read from nor written to memory or disk.
+    cache disabled (``threshold_cache_enabled``), it is computed afresh and neither read
+    from nor written to disk (record None). Called once per merge, which keeps the result.
     """
     if not threshold_cache_enabled():
-        if ("uncached threshold", device) not in inputs.memo:
-            inputs.memo[("uncached threshold", device)] = compute_global_threshold(
-                inputs, device=device, progress=progress, rotations=rotations)
-        return inputs.memo[("uncached threshold", device)]
-    key = threshold_key(inputs, device)
-    if key in _MEMORY:
-        result, inputs.memo["threshold record"] = _MEMORY[key]
-        return result
-    name = inputs.memo["threshold record"] = record_name(THRESHOLDS, key)
+        return compute_global_threshold(inputs, device=device, progress=progress, rotations=rotations), None
+    name = record_name(THRESHOLDS, threshold_key(inputs, device))
     result = _cached_threshold(inputs, name) if name is not None else None
     if result is None:
         result = compute_global_threshold(inputs, device=device, progress=progress, rotations=rotations)
         if name is not None:
             write_record(THRESHOLDS, f"{name}.json", json.dumps(result.to_json()).encode())
-    _MEMORY[key] = (result, name)
-    return result
+    return result, name
 
 
 THRESHOLDS = "thresholds"  # the user cache's folder of thresholds, one record per key
@@ -193,20 +174,18 @@ def expected_masked(threshold: GlobalThreshold) -> int | None:
     return k if SMALLEST_SCORE <= t.threshold < float("inf") else None
 
 
-def check_masked_total(inputs: GraftInputs, threshold: GlobalThreshold) -> None:
-    """After the merge: the directions it masked, summed over tensors, are what ``threshold`` claims to mask.
+def check_masked_total(inputs: GraftInputs, threshold: GlobalThreshold, counted: dict[str, int],
+                       name: str | None) -> None:
+    """After the merge: the directions it masked (``counted``, per tensor), summed, are what ``threshold`` claims to mask.
 
     A mismatch means the threshold does not summarise these inputs (a planted or stale
-    cache entry): the entry is removed and the run fails in one line, before OUT is published.
+    cache entry): its record ``name`` is removed and the run fails in one line, before OUT is published.
     """
-    counted = inputs.memo.get("masked counts", {})
     if set(counted) != set(inputs.ranked_names()):
         return  # not every ranked tensor went through the kernel (nothing to compare the sum with)
     masked, expected = sum(counted.values()), expected_masked(threshold)
     if masked == expected:
         return
-    name = inputs.memo.get("threshold record")
-    _MEMORY.clear()
     where = "the global threshold"
     if name is not None:
         remove_record(THRESHOLDS, f"{name}.json")

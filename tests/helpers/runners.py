@@ -31,14 +31,11 @@ IN_PROCESS = {
 
 def forget_process_state() -> None:
     """Drop what a merge leaves in memory, so the next in-process run starts like a fresh
-    process: graftmerge's per-process plan, input and threshold memos, mergekit's loaders.
-    (The on-disk threshold cache, $GRAFTMERGE_CACHE_DIR, is kept: that is what persists
-    between real runs.)"""
+    process: mergekit's loaders. (graftmerge keeps nothing of a merge in the process; the
+    on-disk threshold cache, $GRAFTMERGE_CACHE_DIR, is kept: that is what persists between
+    real runs.)"""
     from mergekit.io.tasks import LoaderCache
 
-    from graftmerge.pipeline.graft import forget_process_state as forget_graft_state
-
-    forget_graft_state()
     LoaderCache().flush_all()
     LoaderCache().loaders.clear()
 
