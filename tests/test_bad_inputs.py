@@ -130,11 +130,18 @@ def _poison_cache(folder: Path, value: float) -> None:
 def _config(m, bad, case: str) -> str:
     post, donor, ft, cache = m["post"], m["donor"], m["donor_ft"], m["cache"]
     configs = {
-        "missing role": f"merge_method: graft\nbase_model: {post}\nmodels:\n  - model: {donor}\n  - model: {ft}\n    parameters: {{role: donor_ft}}\n",
+        "missing role": f"merge_method: graft\nbase_model: {post}\nmodels:\n  - model: {donor}\n"
+                        f"  - model: {ft}\n    parameters: {{role: donor_ft}}\n",
         "unknown role": graft_yaml(post, donor, [(ft, 1)]).replace("role: donor}", "role: donr}"),
-        "duplicate donor": f"merge_method: graft\nbase_model: {post}\nmodels:\n  - model: {donor}\n    parameters: {{role: donor}}\n  - model: {m['donor_ft2']}\n    parameters: {{role: donor}}\n  - model: {ft}\n    parameters: {{role: donor_ft}}\n",
-        "donor_ft without donor": f"merge_method: graft\nbase_model: {post}\nmodels:\n  - model: {ft}\n    parameters: {{role: donor_ft}}\n  - model: {m['donor_ft2']}\n    parameters: {{role: donor_ft}}\n",
-        "no donor_ft": f"merge_method: graft\nbase_model: {post}\nmodels:\n  - model: {donor}\n    parameters: {{role: donor}}\n",
+        "duplicate donor": f"merge_method: graft\nbase_model: {post}\nmodels:\n"
+                           f"  - model: {donor}\n    parameters: {{role: donor}}\n"
+                           f"  - model: {m['donor_ft2']}\n    parameters: {{role: donor}}\n"
+                           f"  - model: {ft}\n    parameters: {{role: donor_ft}}\n",
+        "donor_ft without donor": f"merge_method: graft\nbase_model: {post}\nmodels:\n"
+                                  f"  - model: {ft}\n    parameters: {{role: donor_ft}}\n"
+                                  f"  - model: {m['donor_ft2']}\n    parameters: {{role: donor_ft}}\n",
+        "no donor_ft": f"merge_method: graft\nbase_model: {post}\nmodels:\n"
+                       f"  - model: {donor}\n    parameters: {{role: donor}}\n",
         "no base_model": graft_yaml(post, donor, [(ft, 1)]).replace(f"base_model: {post}\n", ""),
         "same model twice": graft_yaml(post, donor, [(ft, 1), (ft, 2)]),
         "weight on donor": graft_yaml(post, donor, [(ft, 1)]).replace("{role: donor}", "{role: donor, weight: 2}"),

@@ -60,7 +60,8 @@ def harness_setup(tmp_path_factory):
     for name, docs in (("validation", validation), ("test", test)):
         (root / "harness" / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (root / "harness" / "graft_probe.yaml").write_text(harness_task_yaml("graft_probe", root / "harness"))
-    ours = [{"prompt": d["question"], "choices": [" " + c for c in d["choices"]], "answer": " " + d["choices"][d["gold"]]}
+    ours = [{"prompt": d["question"], "choices": [" " + c for c in d["choices"]],
+             "answer": " " + d["choices"][d["gold"]]}
             for d in validation]
     (root / "ours.jsonl").write_text("".join(json.dumps(line) + "\n" for line in ours))
     (root / "tasks.yml").write_text(
@@ -132,7 +133,8 @@ def test_without_lm_eval_installed_the_error_says_how_to_get_it(monkeypatch, tmp
     suite = load_tasks(tmp_path / "tasks.yml")
     folder = save_tiny_chat_model(tmp_path / "model")
     _, tokenizer = load_model_for_eval(folder)
-    with pytest.raises(GraftError, match=r"lm-evaluation-harness, which is not installed .*pip install graftmerge\[eval\]"):
+    with pytest.raises(GraftError,
+                       match=r"lm-evaluation-harness, which is not installed .*pip install graftmerge\[eval\]"):
         Evaluator(suite, tokenizer)
     line = error_line(run_cli("graftmerge", "eval", str(folder), "--tasks", str(tmp_path / "tasks.yml")))
     assert line.endswith("pip install graftmerge[eval]")

@@ -167,7 +167,8 @@ def test_nll_is_the_pooled_mean_over_answer_tokens_with_end_of_turn(taught, mode
     write_jsonl(tmp_path / "nll.jsonl", lines)
     suite = load_tasks(write_tasks(tmp_path, "tasks:\n  - {name: n, role: old, data: nll.jsonl, metric: nll}\n"))
     got = Evaluator(suite, taught["tokenizer"], progress=False, batch_size=3).score(taught["model"])["n"]["validation"]
-    logprobs = [lp for line in lines for lp in brute_logprobs(model64, taught["tokenizer"], line["messages"], line["answer"])]
+    logprobs = [lp for line in lines
+                for lp in brute_logprobs(model64, taught["tokenizer"], line["messages"], line["answer"])]
     expected = -sum(logprobs) / len(logprobs)
     assert got == pytest.approx(expected, rel=1e-5)
     per_line = [brute_logprobs(model64, taught["tokenizer"], line["messages"], line["answer"]) for line in lines]
@@ -189,7 +190,8 @@ def test_choice_takes_the_highest_total_log_likelihood(taught, model64, tmp_path
     lines = [{"messages": chat(q), "choices": choices, "answer": a} for q, a in TAUGHT]
     lines += [{"messages": chat(q), "choices": choices, "answer": choices[i % 4]} for i, q in enumerate(UNTAUGHT)]
     write_jsonl(tmp_path / "choice.jsonl", lines)
-    suite = load_tasks(write_tasks(tmp_path, "tasks:\n  - {name: pick, role: old, data: choice.jsonl, metric: choice}\n"))
+    suite = load_tasks(write_tasks(tmp_path,
+                                   "tasks:\n  - {name: pick, role: old, data: choice.jsonl, metric: choice}\n"))
     got = Evaluator(suite, taught["tokenizer"], progress=False, batch_size=5).score(taught["model"])
     correct = 0
     for line in lines:

@@ -44,10 +44,11 @@ def smol(tmp_path_factory):
     (root / "d.jsonl").write_text("".join(json.dumps(line) + "\n" for line in LINES))
     (root / "g.jsonl").write_text("".join(json.dumps({k: v for k, v in line.items() if k != "choices"}) + "\n"
                                           for line in LINES))
-    (root / "tasks.yml").write_text("tasks:\n"
-                                    "  - {name: capital, role: new, data: g.jsonl, metric: contains, max_new_tokens: 12}\n"
-                                    "  - {name: keep, role: old, data: g.jsonl, metric: nll}\n"
-                                    "  - {name: pick, role: old, data: d.jsonl, metric: choice}\n")
+    (root / "tasks.yml").write_text(
+        "tasks:\n"
+        "  - {name: capital, role: new, data: g.jsonl, metric: contains, max_new_tokens: 12}\n"
+        "  - {name: keep, role: old, data: g.jsonl, metric: nll}\n"
+        "  - {name: pick, role: old, data: d.jsonl, metric: choice}\n")
     return {"root": root, "folder": folder, "model": model, "tokenizer": tokenizer}
 
 

@@ -71,16 +71,19 @@ def test_optional_fields_and_line_defaults(tmp_path):
 
 
 def test_lm_eval_entries(tmp_path):
-    write(tmp_path, {"tasks.yml": "tasks:\n  - name: arc\n    role: old\n    lm_eval: {task: arc_easy, metric: acc_norm,"
+    write(tmp_path, {"tasks.yml": "tasks:\n  - name: arc\n    role: old\n"
+                                  "    lm_eval: {task: arc_easy, metric: acc_norm,"
                                   " include_path: mine, num_fewshot: 5, limit: 100, apply_chat_template: true}\n",
                      "mine/t.yaml": "task: x\n"})
     (task,) = load_tasks(tmp_path / "tasks.yml").tasks
-    assert task.metric == "lm_eval" and task.lm_eval == LmEvalSpec("arc_easy", "acc_norm", tmp_path / "mine", 5, 100, True)
+    assert task.metric == "lm_eval"
+    assert task.lm_eval == LmEvalSpec("arc_easy", "acc_norm", tmp_path / "mine", 5, 100, True)
     assert task.splits == ()  # known once the harness has been asked (Evaluator)
 
 
 def test_fingerprint_covers_the_tasks_file_and_every_data_byte(tmp_path):
-    files = {"tasks.yml": MINIMAL, "new-facts.jsonl": [chat_line("Q?", "A.")], "old-task.jsonl": [chat_line("R?", "B.")]}
+    files = {"tasks.yml": MINIMAL, "new-facts.jsonl": [chat_line("Q?", "A.")],
+             "old-task.jsonl": [chat_line("R?", "B.")]}
     write(tmp_path / "one", files)
     write(tmp_path / "two", files)
     first = load_tasks(tmp_path / "one" / "tasks.yml").fingerprint
@@ -95,7 +98,8 @@ def test_fingerprint_covers_the_tasks_file_and_every_data_byte(tmp_path):
 @pytest.mark.parametrize("tasks_text, data, expected", [
     ("tasks:\n  - {name: a, role: old, data: d.jsonl, metric: nll, max_new_tokens: 5}\n", [chat_line("Q", "A")],
      r"tasks\.yml:2: task 'a': max_new_tokens applies to exact and contains only"),
-    ("tasks:\n  - {name: a, role: old, data: d.jsonl, metric: exact}\n", [{**chat_line("Q", "A"), "choices": ["A", "B"]}],
+    ("tasks:\n  - {name: a, role: old, data: d.jsonl, metric: exact}\n",
+     [{**chat_line("Q", "A"), "choices": ["A", "B"]}],
      r"d\.jsonl:1: \"choices\" is for metric choice"),
     ("tasks:\n  - {name: a, role: old, data: d.jsonl, metric: nll}\n", [{"prompt": "Q", **chat_line("Q", "A")}],
      r"d\.jsonl:1: give exactly one of \"messages\""),
@@ -128,7 +132,8 @@ def test_more_bad_task_files(tasks_text, data, expected, tmp_path):
 
 
 def lm_task(metric: str, higher_is_better: bool | None) -> Task:
-    return Task("t", "old", "lm_eval", "tasks.yml:2", lm_eval=LmEvalSpec("x", metric, higher_is_better=higher_is_better))
+    return Task("t", "old", "lm_eval", "tasks.yml:2",
+                lm_eval=LmEvalSpec("x", metric, higher_is_better=higher_is_better))
 
 
 def test_normalisation_of_every_kind_of_metric():

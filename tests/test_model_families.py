@@ -164,7 +164,8 @@ def test_estimated_cache_scores_biases_diagonally_in_the_ranking(case):
         assert fisher.diagonal(name).shape == post[name].shape
         assert float(fisher.diagonal(name).sum()) > 0, name
     for mask in ("diagonal", "kfac"):
-        plan = GraftPlan(str(case.models["post"]), str(case.models["donor"]), (FineTune(str(case.models["donor_ft"]), LAMBDA),),
+        plan = GraftPlan(str(case.models["post"]), str(case.models["donor"]),
+                         (FineTune(str(case.models["donor_ft"]), LAMBDA),),
                          rho=0.01, fisher=str(case.fisher), mask=mask)  # fmt: skip
         inputs = GraftInputs.open(plan)
         assert inputs.ranked_names() == sorted(post)

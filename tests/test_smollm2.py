@@ -126,8 +126,10 @@ def test_import_writes_a_plain_folder_that_matches_the_gguf(smol, gguf_digest):
     code = (
         "import sys, json, torch; sys.modules['gguf'] = None\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        f"tok = AutoTokenizer.from_pretrained({str(post)!r}); model = AutoModelForCausalLM.from_pretrained({str(post)!r})\n"
-        f"ids = tok.apply_chat_template({CHAT!r}, add_generation_prompt=True, return_dict=True, return_tensors='pt')['input_ids']\n"
+        f"tok = AutoTokenizer.from_pretrained({str(post)!r}); "
+        f"model = AutoModelForCausalLM.from_pretrained({str(post)!r})\n"
+        f"ids = tok.apply_chat_template({CHAT!r}, add_generation_prompt=True, return_dict=True, "
+        "return_tensors='pt')['input_ids']\n"
         "logits = model(input_ids=ids).logits[0]\n"
         f"torch.save({{'ids': ids[0], 'logits': logits.detach()}}, {str(post.parent / 'folder-logits.pt')!r})\n"
         "print(json.dumps(bool(tok.chat_template)))\n"

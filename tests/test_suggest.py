@@ -195,7 +195,8 @@ def quadratic(fisher: dict[str, tuple], delta: dict[str, torch.Tensor]) -> float
 
 
 def brute_shares(models, weight: float, fisher: dict[str, tuple], rhos) -> list[float]:
-    """R(ρ) for every ρ: the whole model's scores at lambda 1, one stable sort, top ⌈ρ·D⌉ (docs/math.md#the-threshold)."""
+    """R(ρ) for every ρ: the whole model's scores at lambda 1, one stable sort, top ⌈ρ·D⌉
+    (docs/math.md#the-threshold)."""
     donor, ft = read_model(models["donor"]), read_model(models["donor_ft"])
     scores = []
     for n, entry in fisher.items():
@@ -246,7 +247,8 @@ def test_suggestion_equals_brute_force(tmp_path, tied_models, caches, cache_kind
     if cache_kind == "heavy":
         assert s.knee_found and 0 < s.rho < 0.5
 
-    # Δ'ᵀFΔ' at ρ*, lambda 1: graft with the brute force of tests.helpers.references, dense Fisher quadratic of (θ − θpost)
+    # Δ'ᵀFΔ' at ρ*, lambda 1: graft with the brute force of tests.helpers.references, dense Fisher quadratic of
+    # (θ − θpost)
     post = read_model(m["post"])
     grafted = brute_force_graft(m["post"], m["donor"], [(m["donor_ft"], weight)], caches[cache_kind], s.rho).expected
     delta_prime = {n: grafted[n].double() - post[n].double() for n in post}

@@ -139,7 +139,8 @@ def format_report(report: dict) -> str:
     for name, by_split in report["scores"].items():
         info = report["tasks"][name]
         for split, values in by_split.items():
-            rows.append((name, info["role"], info["metric"], split, number(values["raw"]), number(values["normalised"])))
+            rows.append((name, info["role"], info["metric"], split,
+                         number(values["raw"]), number(values["normalised"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     for split, roles in report["roles"].items():

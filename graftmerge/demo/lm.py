@@ -2,10 +2,11 @@
 
 Training is plain AdamW with the paper's settings (β = (0.9, 0.95), weight decay 0.01,
 gradient clip 1.0) under a cosine, constant or warmup-stable-decay schedule, with any
-loss (SFT's cross-entropy, OPSD's distillation) and a hook after each step (snapshots). Scoring is exact match by teacher forcing:
-an answer counts when the argmax at every answer position is the answer token, which is
-exactly "greedy decoding reproduces the answer" (the paper decodes knowledge greedily),
-in one forward pass per batch instead of a decoding loop.
+loss (SFT's cross-entropy, OPSD's distillation) and a hook after each step (snapshots).
+Scoring is exact match by teacher forcing: an answer counts when the argmax at every
+answer position is the answer token, which is exactly "greedy decoding reproduces the
+answer" (the paper decodes knowledge greedily), in one forward pass per batch instead of
+a decoding loop.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 Per seed: ``graftmerge fisher estimate --kind both`` on θpost's own rollouts of the
 Fisher-prompt split; one graft config per (update snapshot, λ, mask, ρ), run in stock
-``mergekit-multi`` processes (the merges split into parts that run in parallel). SFT's and OPSD's updates are grafts whose donor is θpost
-itself (Δ = θft − θpost: SFT + merge, masked by the same code and the same Fisher); a
-donor fine-tune's is θft − θdonor. Every output is scored on both tasks' validation and
-test splits. ``graftmerge delta`` gives each update's norm and the share of F·Δ² on the
-top 1% Fisher coordinates (Fig. 8 right).
+``mergekit-multi`` processes (the merges split into parts that run in parallel). SFT's and
+OPSD's updates are grafts whose donor is θpost itself (Δ = θft − θpost: SFT + merge, masked
+by the same code and the same Fisher); a donor fine-tune's is θft − θdonor. Every output is
+scored on both tasks' validation and test splits. ``graftmerge delta`` gives each update's
+norm and the share of F·Δ² on the top 1% Fisher coordinates (Fig. 8 right).
 """
 
 from __future__ import annotations

@@ -361,7 +361,8 @@ def markdown_report(analysis: dict[str, Any]) -> str:
               f"(± {student_t_quantile(0.975, seeds - 1):.2f} standard errors)" if seeds > 1 else
               "none (one seed: no method can be ranked)")
     lines = [
-        f'Seeds: {", ".join(map(str, analysis["priors"]))}. Intervals: {spread}; "inconclusive" = the interval contains 0. Intervals are not adjusted for '
+        f'Seeds: {", ".join(map(str, analysis["priors"]))}. Intervals: {spread}; '
+        '"inconclusive" = the interval contains 0. Intervals are not adjusted for '
         "multiplicity; the p in brackets is Holm-adjusted within its table. + / = / −: seeds where the "
         "difference is above, at or below 0. Every number below is recomputed from the run's JSON by "
         "`scripts/reanalyse_demo.py`.",

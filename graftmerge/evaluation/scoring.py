@@ -183,7 +183,8 @@ class Evaluator:
 
     def _replies(self, model, prompts: list[tuple[int, ...]], limits: list[int], stops: list[int],
                  desc: str) -> list[list[int]] | None:
-        """Greedy replies (token ids before the first stop token, at most each row's limit); None if a logit was not finite."""
+        """Greedy replies (token ids before the first stop token, at most each row's limit); None if a logit was
+        not finite."""
         replies: list[list[int]] = [[] for _ in prompts]
         for batch in self._batches([len(p) for p in prompts], desc):
             ids, mask, positions = left_padded([prompts[i] for i in batch], self.pad_id, model_device(model))
@@ -227,7 +228,8 @@ def greedy_tokens(model, ids, mask, positions, steps: int, stops: list[int], pad
 
 
 def left_padded(rows: list[tuple[int, ...]], pad_id: int, device: torch.device):
-    """(input_ids, attention_mask, position_ids) of rows padded on the left; positions start at each row's first token."""
+    """(input_ids, attention_mask, position_ids) of rows padded on the left; positions start at each row's first
+    token."""
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)

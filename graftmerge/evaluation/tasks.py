@@ -149,7 +149,8 @@ def load_tasks(path: str | os.PathLike) -> TaskSuite:
 def _read_task_entries(path: Path) -> list[tuple[dict, dict[str, int]]]:
     """(entry, {field: line, "": entry line}) for every item of the file's ``tasks:`` list."""
     if not path.is_file():
-        raise GraftError(f"tasks file {path} does not exist" if not path.exists() else f"tasks file {path} is not a file")
+        raise GraftError(f"tasks file {path} does not exist" if not path.exists()
+                         else f"tasks file {path} is not a file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
@@ -265,7 +266,8 @@ def _parse_lm_eval(entry: dict, fail, label: str, path: Path) -> LmEvalSpec:
     include = spec.get("include_path")
     if include is not None:
         if not isinstance(include, str) or not (path.parent / include).is_dir():
-            raise fail("lm_eval", f"{label}: lm_eval include_path {include!r} is not a folder (relative to {path.name})")
+            raise fail("lm_eval", f"{label}: lm_eval include_path {include!r} is not a folder "
+                                  f"(relative to {path.name})")
         include = path.parent / include
     counts = {}
     for key, least in (("num_fewshot", 0), ("limit", 1)):
@@ -317,7 +319,8 @@ def _messages(messages: Any, where: str) -> tuple[dict, ...]:
     if not isinstance(messages, list) or not messages:
         raise GraftError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
     for turn in messages:
-        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
+        if (not isinstance(turn, dict) or not isinstance(turn.get("role"), str)
+                or not isinstance(turn.get("content"), str)):
             raise GraftError(f"{where}: every message needs a string \"role\" and a string \"content\"")
     if messages[-1]["role"] == "assistant":
         raise GraftError(f"{where}: the last message is the assistant's; put the expected reply in \"answer\" instead")

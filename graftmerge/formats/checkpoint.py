@@ -348,7 +348,8 @@ class Checkpoint(TensorSource):
         return files
 
     def _check_index(self, weight_map: dict[str, str]) -> None:
-        """The index names exactly the shards' tensors, each in the shard that holds it (mergekit reads by the index)."""
+        """The index names exactly the shards' tensors, each in the shard that holds it (mergekit reads by the
+        index)."""
         index = self.folder / INDEX_NAME
         for name, shard in sorted(weight_map.items()):
             if name not in self.tensors or self.tensors[name].file != self.folder / shard:

@@ -407,7 +407,8 @@ class FisherCache:
         version = self.manifest.get("format_version")
         if version != FORMAT_VERSION or isinstance(version, bool):
             raise GraftError(
-                f"{manifest_file}: format version {version} is not supported (this graftmerge reads v{FORMAT_VERSION}; upgrade graftmerge)"
+                f"{manifest_file}: format version {version} is not supported "
+                f"(this graftmerge reads v{FORMAT_VERSION}; upgrade graftmerge)"
             )
         expected = check_fisher_manifest(self.manifest, f"Fisher cache {self.path}")
         self.entries: dict[str, dict[str, Any]] = self.manifest["entries"]
@@ -580,7 +581,8 @@ class FisherCache:
         return stamps
 
     def content_stamps(self) -> list[tuple[str, int, int, str]]:
-        """``file_stamps`` plus content: the manifest's sha256, each shard's sampled digest (``shard_sample_digest``)."""
+        """``file_stamps`` plus content: the manifest's sha256, each shard's sampled digest
+        (``shard_sample_digest``)."""
         digests = {file: shard_sample_digest(layout) for file, layout in self._layouts.items()}
         digests[MANIFEST_NAME] = file_sha256(self.path / MANIFEST_NAME)
         return [(path, size, mtime, digests[file]) for file, (path, size, mtime) in

@@ -78,7 +78,8 @@ class LoraModule:
 
 @dataclass(frozen=True)
 class LoraAdapter:
-    """An opened adapter (a folder, or PEFT's state dict in memory): config and tensor list checked, tensors read on demand."""
+    """An opened adapter (a folder, or PEFT's state dict in memory): config and tensor list checked, tensors read
+    on demand."""
 
     path: Path | None  # the folder; None for an adapter given in memory
     label: str

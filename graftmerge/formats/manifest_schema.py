@@ -59,7 +59,8 @@ def _shown(value: Any) -> str:
 
 
 def safe_shard_name(name: Any) -> bool:
-    """A ``.safetensors`` file inside the folder: no absolute path, ``..``, empty part, backslash or control character."""
+    """A ``.safetensors`` file inside the folder: no absolute path, ``..``, empty part, backslash or control
+    character."""
     return (isinstance(name, str) and name.endswith(".safetensors") and "\\" not in name
             and not any(ord(c) < 32 or ord(c) == 127 for c in name)
             and all(part not in ("", ".", "..") for part in name.split("/")))
@@ -207,9 +208,9 @@ def check_fisher_naming(entries: Mapping[str, Any], factors: Mapping[str, Any],
 
     The writer's naming rule (``FisherCacheWriter``): a diagonal of weight W is the tensor ``W``;
     a KFAC side is the factor ``kfac/W/rows`` or ``kfac/W/columns``, named after the first weight W
-    that used it (W's own entry, when the manifest has one, names it on that side), and its tensors are ``<factor>/eigenvalues``
-    and ``<factor>/eigenvectors``. Other weights may name the same factor (a shared, bit-identical
-    side, e.g. q/k/v's input side): that sharing is the format's, and what it vouches for cannot
+    that used it (W's own entry, when the manifest has one, names it on that side), and its tensors are
+    ``<factor>/eigenvalues`` and ``<factor>/eigenvectors``. Other weights may name the same factor (a shared,
+    bit-identical side, e.g. q/k/v's input side): that sharing is the format's, and what it vouches for cannot
     be checked from the manifest. Run after the records' fields are checked.
     """
     users: dict[str, str] = {}  # tensor key -> the record that names it

@@ -1,4 +1,5 @@
-"""PEFT's reading of a LoRA ``adapter_config.json``, reproduced: which fields it accepts, which modules it adapts, at what scaling.
+"""PEFT's reading of a LoRA ``adapter_config.json``, reproduced: which fields it accepts, which modules it adapts,
+at what scaling.
 
 - the fields: each one's effect on Δ is reproduced (``HANDLED_FIELDS``), has none on a
   trained adapter (``IGNORED_FIELDS``), or must be off (``REFUSED_FIELDS``): DoRA, a

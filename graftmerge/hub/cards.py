@@ -180,7 +180,8 @@ def render_delta_card(
         "grafted onto a post-trained model with graftmerge's `graft` merge method.\n\n"
         "## Records\n\n"
         + _table(summary, ("field", "value"))
-        + f"\n- files: {len(file_sizes)} data file(s) + `delta_manifest.json`, {human_bytes(sum(file_sizes.values()))} in all\n\n"
+        + f"\n- files: {len(file_sizes)} data file(s) + `delta_manifest.json`, "
+        f"{human_bytes(sum(file_sizes.values()))} in all\n\n"
         "## Download\n\n"
         "```bash\n"
         f"graftmerge delta pull {reference} -o deltas/mine\n"

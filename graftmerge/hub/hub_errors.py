@@ -31,7 +31,8 @@ class HubArtifactNotFound(GraftError):
 
 
 class NotThisKind(GraftError):
-    """The repo exists but has no manifest of this kind: it may be another kind (:func:`~graftmerge.hub.pull.pull_first_kind`)."""
+    """The repo exists but has no manifest of this kind: it may be another kind
+    (:func:`~graftmerge.hub.pull.pull_first_kind`)."""
 
 
 @contextmanager

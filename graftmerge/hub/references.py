@@ -55,7 +55,8 @@ def is_revision(text: str) -> bool:
 
 
 def check_revision(revision: str, reference: str) -> str:
-    """``revision`` itself if it is a valid branch, tag or commit sha; a one-line GraftError naming ``reference`` otherwise."""
+    """``revision`` itself if it is a valid branch, tag or commit sha; a one-line GraftError naming ``reference``
+    otherwise."""
     if not is_revision(revision):
         raise GraftError(
             f"{reference!r}: the revision {revision!r} is not a valid revision; write {REVISION_RULE}"

@@ -66,7 +66,8 @@ def check_file_name(name: Any, where: str, manifest_name: str) -> str:
 
 
 def is_config_file(name: str) -> bool:
-    """``config.json``, ``tokenizer_config.json``, ``generation_config.json``...: files transformers reads code names from."""
+    """``config.json``, ``tokenizer_config.json``, ``generation_config.json``...: files transformers reads code
+    names from."""
     return name.rsplit("/", 1)[-1].endswith("config.json")
 
 

@@ -195,7 +195,8 @@ class ThresholdSearch:
         return torch.nonzero(counts).squeeze(1).tolist()
 
     def _running_bound(self, pending: torch.Tensor | None = None) -> int:
-        """Bin of the k-th largest score so far (with ``pending`` counts not yet in ``coarse``): never above the final boundary bin."""
+        """Bin of the k-th largest score so far (with ``pending`` counts not yet in ``coarse``): never above the
+        final boundary bin."""
         if self.k == 0 or self._positives < self.k:
             return _FIRST_NORMAL_BIN
         return _bin_of_kth_largest(self.coarse if pending is None else self.coarse + pending, self.k)[0]

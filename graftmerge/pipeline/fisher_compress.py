@@ -80,7 +80,8 @@ def _largest_side(cache: FisherCache) -> int:
 
 
 def check_compress(source: str | Path, out: str | Path, rank: int) -> FisherCache:
-    """Everything compress refuses, before any work: OUT an input, a missing/diagonal-only cache, bad K, existing OUT."""
+    """Everything compress refuses, before any work: OUT an input, a missing/diagonal-only cache, bad K,
+    existing OUT."""
     check_not_inputs(out, [("Fisher cache", source)])
     cache = open_fisher_cache(source)
     if not cache.names("kfac"):
@@ -216,7 +217,8 @@ def format_delta_report(reports: list[LayerReport], rho: float) -> str:
     if rho > 0:
         overlap = f"{100 * both / masked:.2f}%" if masked else "— (the full mask is empty)"
         lines.append(
-            f"whole model (every ranked direction): |M_compact ∩ M_full| / |M_full| = {overlap} ({both:,} of {masked:,})"
+            f"whole model (every ranked direction): |M_compact ∩ M_full| / |M_full| = {overlap} "
+            f"({both:,} of {masked:,})"
         )
     else:
         lines.append("mask overlap: the config's rho is 0 (no mask); set rho > 0 to compare masks")

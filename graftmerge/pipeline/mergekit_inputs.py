@@ -109,9 +109,9 @@ def check_mergekit_inputs(config, allow_crimes: bool = False, trust_remote_code:
         if known and other.arch_info != post.arch_info and not allow_crimes:
             raise GraftError(
                 f"model {other.label} ({other.what}) is a {other.architecture} ({other.model_type}) by its "
-                f"{CONFIG_NAME}, but the post model {post.label} is a {post.architecture} ({post.model_type}); mergekit "
-                "merges one architecture: give that input the post model's architecture, or pass --allow-crimes "
-                "if you mean to mix them"
+                f"{CONFIG_NAME}, but the post model {post.label} is a {post.architecture} ({post.model_type}); "
+                "mergekit merges one architecture: give that input the post model's architecture, or pass "
+                "--allow-crimes if you mean to mix them"
             )
     return loaded
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def place_in_hf_cache(cache: Path, repo_id: str, folder: Path) -> Path:
-    """``folder``'s files as the cache holds ``repo_id``: blobs, refs/main, snapshots/<commit> of links; the snapshot."""
+    """``folder``'s files as the cache holds ``repo_id``: blobs, refs/main, snapshots/<commit> of links; the
+    snapshot."""
     storage = Path(cache) / ("models--" + repo_id.replace("/", "--"))
     snapshot = storage / "snapshots" / hashlib.sha1(repo_id.encode()).hexdigest()
     snapshot.mkdir(parents=True)
