@@ -22,7 +22,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "graftmerge"
 
 LAYERS: list[set[str]] = [
-    {"", "errors", "fisher"},  # __init__.py (version, lazy public API), the one exception type, fisher.py (its deprecated alias)
+    {
+        "",
+        "errors",
+        "fisher",
+    },  # __init__.py (version, lazy public API), the one exception type, fisher.py (its deprecated alias)
     {"math"},  # pure tensors in, tensors out
     {"formats"},  # files on disk: checkpoints, Fisher caches, delta folders, GGUF
     {"hub"},  # the same artifacts on the Hugging Face Hub
@@ -118,7 +122,10 @@ def test_imports_point_down_the_layers():
         if src == dst:
             continue
         if layer_of(dst) >= layer_of(src):
-            wrong.append(f"{MODULES[source].relative_to(PACKAGE.parent)}:{line} imports {target} ({src or 'graftmerge'} -> {dst})")
+            wrong.append(
+                f"{MODULES[source].relative_to(PACKAGE.parent)}:{line} imports {target} "
+                f"({src or 'graftmerge'} -> {dst})"
+            )
     assert not wrong, "upward or sideways imports:\n" + "\n".join(wrong)
 
 
@@ -184,7 +191,9 @@ def test_no_private_names_from_other_packages():
         private = [n for n in names if n.startswith("_") and n != "__version__"]
         private += [part for part in target.split(".") if part.startswith("_") and part != "__main__"]
         if private:
-            wrong.append(f"{MODULES[source].relative_to(PACKAGE.parent)}:{line} imports {', '.join(private)} from {target}")
+            wrong.append(
+                f"{MODULES[source].relative_to(PACKAGE.parent)}:{line} imports {', '.join(private)} from {target}"
+            )
     assert not wrong, "private names used across packages:\n" + "\n".join(wrong)
 
 
@@ -279,7 +288,9 @@ def module_stores(tree: ast.Module) -> set[str]:
     """Names of module-level containers the module writes into, and of its memoised (``lru_cache``) functions."""
     containers = set()
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         value = getattr(node, "value", None)
         made = isinstance(value, ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp | ast.SetComp) or (
             isinstance(value, ast.Call) and callee_name(value) in CONTAINERS)

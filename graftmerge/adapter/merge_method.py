@@ -113,7 +113,8 @@ class GraftMergeMethod(GroupMergeMethod):
         super().validate_inputs(input_ids, base_id, group_name=group_name)
 
     def merge_group(self, group: TensorGroup, /, **parameters: Any) -> torch.Tensor:
-        """One weight from mergekit's graph: its merge's run (by the id in the parameters), inputs sorted by role, graft."""
+        """One weight from mergekit's graph: its merge's run (by the id in the parameters), inputs sorted by role,
+        graft."""
         run = find_run(parameters[RUN_PARAMETER])
         post = group.base.tensor
         donor, fine_tunes, deltas = None, [], []

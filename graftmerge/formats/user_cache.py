@@ -136,7 +136,8 @@ def _write_new(name: str, folder: int, data: bytes) -> None:
 
 
 def _sound_secret(folder: int) -> bytes | None:
-    """The secret file's 32 bytes when it is sound: a regular file (not a link), ours, mode 0600, one link; else None."""
+    """The secret file's 32 bytes when it is sound: a regular file (not a link), ours, mode 0600, one link;
+    else None."""
     try:
         fd = os.open(SECRET_NAME, _READ_FLAGS, dir_fd=folder)
     except OSError:
@@ -188,7 +189,8 @@ def read_record(check: str, name: str, limit: int = MAX_RECORD_BYTES) -> bytes |
 
 
 def write_record(check: str, name: str, data: bytes) -> None:
-    """Store record ``name`` in ``cache_dir()/<check>/``, never following a link; skipped when the cache is not usable."""
+    """Store record ``name`` in ``cache_dir()/<check>/``, never following a link; skipped when the cache is not
+    usable."""
     with _folder(check, create=True) as folder:
         if folder is not None:
             try:
@@ -211,7 +213,8 @@ def record_path(check: str, name: str) -> Path:
 
 
 class PassedChecks:
-    """Subjects (content digests, file identities) that passed one check: an empty record each in ``cache_dir()/<check>/``.
+    """Subjects (content digests, file identities) that passed one check: an empty record each in
+    ``cache_dir()/<check>/``.
 
     Only ever written after the check passed on the exact bytes the subject names; the
     record's name is keyed by the user's secret (``record_name``), so a record cannot be

@@ -102,11 +102,15 @@ class GraftPlan:
         if not 0 <= self.rho < 1:
             raise GraftError(f"graft parameter rho must be in [0, 1), got {self.rho}")
         if self.rho_scope not in RHO_SCOPES:
-            raise GraftError(f"graft parameter rho_scope must be one of {', '.join(RHO_SCOPES)}, got {self.rho_scope!r}")
+            raise GraftError(
+                f"graft parameter rho_scope must be one of {', '.join(RHO_SCOPES)}, got {self.rho_scope!r}"
+            )
         if self.mask not in MASK_KINDS:
             raise GraftError(f"graft parameter mask must be one of {', '.join(MASK_KINDS)}, got {self.mask!r}")
         if self.rho > 0 and not self.fisher:
-            raise GraftError("graft parameter rho > 0 needs `fisher: <Fisher cache folder>` (see graftmerge fisher estimate)")
+            raise GraftError(
+                "graft parameter rho > 0 needs `fisher: <Fisher cache folder>` (see graftmerge fisher estimate)"
+            )
 
 
 def resolve_fisher_folder(fisher: str) -> str:
@@ -292,7 +296,9 @@ def _open_fine_tune(fine_tune: FineTune):
     if fine_tune.adapter is None:
         return Checkpoint(fine_tune.path, label=f"donor_ft {fine_tune.path}")
     base = Checkpoint(fine_tune.path, label=f"base {fine_tune.path} of donor_ft {fine_tune.path}+{fine_tune.adapter}")
-    return open_lora_fine_tune(fine_tune.adapter, base, fine_tune.path, f"donor_ft {fine_tune.path}+{fine_tune.adapter}")
+    return open_lora_fine_tune(
+        fine_tune.adapter, base, fine_tune.path, f"donor_ft {fine_tune.path}+{fine_tune.adapter}"
+    )
 
 
 def _open_delta_input(path: str, post: Checkpoint, donor: Checkpoint | None, post_folder: str):
@@ -330,7 +336,8 @@ def _check_kfac_sizes(fisher: FisherCache, post: Checkpoint) -> None:
             size = fisher.kfac_side(name, side)["size"]
             if size != shape[dim]:
                 raise GraftError(
-                    f"Fisher cache {fisher.path}: KFAC {side} factor of {name!r} has size {size}, weight {shape} needs {shape[dim]}"
+                    f"Fisher cache {fisher.path}: KFAC {side} factor of {name!r} has size {size}, "
+                    f"weight {shape} needs {shape[dim]}"
                 )
 
 
@@ -385,7 +392,8 @@ def check_distinct_inputs(named: Sequence[tuple[str, str, str]]) -> None:
 
 
 def check_role_counts(donors: int, fine_tunes: int, what: str = "model", deltas: int = 0) -> None:
-    """At most one donor, at least one donor_ft or delta, a donor with every donor_ft: the same words for configs and state dicts."""
+    """At most one donor, at least one donor_ft or delta, a donor with every donor_ft: the same words for configs
+    and state dicts."""
     if donors > 1:
         raise GraftError(f"duplicate role donor ({donors} {what}s); a graft has exactly one donor")
     if not fine_tunes and not deltas:
@@ -415,7 +423,9 @@ def positional_roles(non_base_ids: Sequence[Hashable], given: Mapping[Hashable, 
         )
     for key in non_base_ids:
         if given[key] not in CONFIG_ROLES:
-            raise GraftError(f"graft input {key!r} has unknown role {given[key]!r}; roles are {', '.join(CONFIG_ROLES)}")
+            raise GraftError(
+                f"graft input {key!r} has unknown role {given[key]!r}; roles are {', '.join(CONFIG_ROLES)}"
+            )
     roles = [given[key] for key in non_base_ids]
     check_role_counts(roles.count("donor"), roles.count("donor_ft"), what="input", deltas=roles.count("delta"))
     return {key: given[key] for key in non_base_ids}

@@ -175,7 +175,9 @@ def tensor_masks(
     quota, over the same row blocks as the kernel. Tensor scope: ``top_k_mask``.
     """
     if thresholds is None:
-        scores = scored_delta(inputs, name, inputs.read_delta(name, device), inputs.tensor_fisher(name).to(device)).scores
+        scores = scored_delta(
+            inputs, name, inputs.read_delta(name, device), inputs.tensor_fisher(name).to(device)
+        ).scores
         yield None, scores, {rho: top_k_mask(scores, masked_count(rho, scores.numel())) for rho in rhos}
         return
     ties = {rho: thresholds[rho].tie_quota.get(name, 0) for rho in rhos}
@@ -257,10 +259,14 @@ def format_report(report: PlanReport) -> str:
     header = f"\n{'tensor':<{width}}  {'kind':<8} {'D':>10}  " + "  ".join(
         f"{'rho ' + format(s.rho, 'g'):>17}" for s in report.rhos
     )
-    lines += [header, f"{'':<{width}}  {'':<8} {'':>10}  " + "  ".join(f"{'masked% removed%':>17}" for _ in report.rhos)]
+    lines += [
+        header,
+        f"{'':<{width}}  {'':<8} {'':>10}  " + "  ".join(f"{'masked% removed%':>17}" for _ in report.rhos),
+    ]
     for t in report.tensors:
         cells = [
-            f"{100 * share(t.tallies[s.rho].masked, t.directions):8.3f} {100 * share(t.tallies[s.rho].masked_score, t.mass):8.2f}"
+            f"{100 * share(t.tallies[s.rho].masked, t.directions):8.3f} "
+            f"{100 * share(t.tallies[s.rho].masked_score, t.mass):8.2f}"
             for s in report.rhos
         ]
         lines.append(f"{t.name:<{width}}  {t.kind:<8} {t.directions:>10,}  " + "  ".join(cells))

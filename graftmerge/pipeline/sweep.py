@@ -267,7 +267,10 @@ def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GraftError(f"output {out_dir} already exists and is not an empty folder; choose a new one")
-    with OutputFolder(out_dir, replace=EMPTY, inputs=read) as output, contextlib.ExitStack() as loras:  # locked before any read
+    with (
+        OutputFolder(out_dir, replace=EMPTY, inputs=read) as output,
+        contextlib.ExitStack() as loras,
+    ):  # locked before any read
         masked = [p for p in plans.values() if p.masked]
         inputs = GraftInputs.open(masked[0] if masked else plans[points[0]])
         config = loras.enter_context(lora_inputs_in_mergekit(config, inputs))  # LoRA inputs read unmerged

@@ -48,7 +48,8 @@ NO_CACHE_ENV = "GRAFTMERGE_NO_THRESHOLD_CACHE"
 
 
 def threshold_cache_enabled() -> bool:
-    """False when ``$GRAFTMERGE_NO_THRESHOLD_CACHE`` is set (to anything but ``0`` or empty), e.g. by ``--no-threshold-cache``."""
+    """False when ``$GRAFTMERGE_NO_THRESHOLD_CACHE`` is set (to anything but ``0`` or empty), e.g. by
+    ``--no-threshold-cache``."""
     return os.environ.get(NO_CACHE_ENV, "") in ("", "0")
 
 
@@ -176,7 +177,8 @@ def expected_masked(threshold: GlobalThreshold) -> int | None:
 
 def check_masked_total(inputs: GraftInputs, threshold: GlobalThreshold, counted: dict[str, int],
                        name: str | None) -> None:
-    """After the merge: the directions it masked (``counted``, per tensor), summed, are what ``threshold`` claims to mask.
+    """After the merge: the directions it masked (``counted``, per tensor), summed, are what ``threshold`` claims to
+    mask.
 
     A mismatch means the threshold does not summarise these inputs (a planted or stale
     cache entry): its record ``name`` is removed and the run fails in one line, before OUT is published.
