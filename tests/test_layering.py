@@ -267,6 +267,8 @@ PER_PROCESS = {
     "formats/bounded_regex.py:_translated": "a pure function of a pattern, memoised",
     "formats/bounded_regex.py:_members": "a pure function of a regex node, memoised",
     "math/paired_tests.py:student_t_quantile": "a pure function of its arguments, memoised",
+    "evaluation/lm_eval_tasks.py:task_manager": "the harness's index of task files for a folder set (11-25 s to "
+                                                "build), not a merge's state",
     "math/projection.py:KFAC_ROTATIONS": "instrumentation: rotations done in this process, read by benchmarks "
                                          "and tests, never by a merge",
     "pipeline/lora_inputs.py:_MADE_FROM_FACTORS": "weak, by tensor: lives exactly as long as the tensors "
