@@ -119,7 +119,7 @@ def plot_frontier(path: Path, points: list[PlotPoint], post: tuple[float, float]
     labelled += [(f"({p.lam:g}, {p.rho:g})", p.new, p.old, "black") for i, p in zip(frontier, line) if i != chosen]
     if chosen is not None:
         labelled.append(("θpost", post_new, post_old, "black"))
-    obstacles = _marker_boxes(figure, axes, xs, ys) + _marker_boxes(figure, axes, [ring[0]], [ring[1]], radius=9)
+    obstacles = _marker_boxes(figure, axes, xs, ys) + _marker_boxes(figure, axes, [ring[0]], [ring[1]], radius=12)
     legend = axes.get_legend().get_window_extent(figure.canvas.get_renderer())
     _place_labels(figure, axes, labelled, obstacles + [legend])
     figure.savefig(path, format="png")
