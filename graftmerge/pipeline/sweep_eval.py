@@ -30,6 +30,8 @@ every input and the task file have been checked and θpost has been scored.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import hashlib
 import json
 import math
@@ -59,13 +61,13 @@ from graftmerge.pipeline.sweep import (
     GridPoint,
     _grid_views,
     _planned_tensors,
+    _write_grid,
     _write_tensor,
     check_sweepable,
     grid,
-    run_sweep,
 )
 
-RESULTS, CHOSEN, PLOT, BEST, BUILD = "results.jsonl", "chosen.json", "frontier.png", "best", ".models"
+RESULTS, CHOSEN, PLOT, BEST = "results.jsonl", "chosen.json", "frontier.png", "best"
 KEEP = ("best", "frontier", "all")
 DEFAULT_TOLERANCE = 0.01
 FORMAT = 1
@@ -250,9 +252,10 @@ def _model_refs(config) -> tuple:
 class _Grid:
     """The opened grid: each point's GraftInputs (global thresholds shared) and mergekit's planned tensors."""
 
+    config: object  # mergekit's view of the config (LoRA inputs in its loader cache)
+    arch_info: object
     views: dict[GridPoint, GraftInputs]
     saves: list
-    refs: tuple
     inputs: GraftInputs
     options: object
     freed: FreedMemory
@@ -261,19 +264,31 @@ class _Grid:
         """Graft ``point`` into the evaluation model, tensor by tensor, as the folder-writing sweep writes it."""
         device = self.options.device or "cpu"
         weights.start()
-        views, writers = {point: self.views[point]}, {point: weights}
+        views, writers, refs = {point: self.views[point]}, {point: weights}, _model_refs(self.config)
         for save in tqdm(self.saves, desc=f"graft λ {point.lam:g} ρ {point.rho:g}", unit="tensor", leave=False,
                          disable=self.options.quiet):
-            _write_tensor(save, views, writers, self.refs, device, self.options, self.freed)
+            _write_tensor(save, views, writers, refs, device, self.options, self.freed)
             self.freed.step()
         weights.check_complete()
         self.inputs.check_unchanged()  # grafted from the files as validated
+
+    def write(self, source: str, points: list[GridPoint], folder: Path, spill: Path) -> None:
+        """The folders of ``points`` in ``folder``, written by the folder-writing sweep (mergekit's own writer
+        for a single one)."""
+        spill.mkdir(exist_ok=True)
+        _write_grid(self.config, source, {point: self.views[point] for point in points}, folder, spill,
+                    self.arch_info, self.options, self.options.device or "cpu", self.freed)
+        self.inputs.check_unchanged()  # and so did the writing: else nothing is published
 
 
 @contextlib.contextmanager
 def _opened_grid(config, inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], loaded, options,
                  scratch: Path) -> Iterator[_Grid]:
-    """The grid ready to graft point by point: run_sweep's set-up, with the scoring pass of the global masks."""
+    """The grid ready to graft point by point: run_sweep's set-up, with the scoring pass of the global masks.
+
+    θpost's own point (λ = 0, ρ = 0) is among the views: best/ holds it when θpost is chosen.
+    """
+    plans = {**plans, POST_POINT: dataclasses.replace(next(iter(plans.values())), lam=0.0, rho=0.0)}
     with lora_inputs_in_mergekit(config, inputs) as merge_config:
         arch_info = loaded[0].arch_info if all(i.arch_info for i in loaded) else get_architecture_info(
             merge_config, options)
@@ -285,7 +300,7 @@ def _opened_grid(config, inputs: GraftInputs, plans: dict[GridPoint, GraftPlan],
                             progress=not options.quiet)
         inputs.check_unchanged()  # the pass read what was validated
         _, saves = _planned_tensors(merge_config, arch_info, options, scratch / "planned")
-        yield _Grid(views, saves, _model_refs(merge_config), inputs, options, freed)
+        yield _Grid(merge_config, arch_info, views, saves, inputs, options, freed)
 
 
 VALIDATION, TEST = ("validation",), ("test",)
@@ -323,16 +338,17 @@ class _EvalSweep:
         self.options, self.inputs, self.loaded, self.judge, self.read = options, inputs, loaded, judge, read
         self._stack = contextlib.ExitStack()
         self._grid: _Grid | None = None
+        self._scratch: Path | None = None
         self._weights: ModelWeights | None = None
+        self._loaded: GridPoint | None = None  # the point whose graft the evaluation model holds
 
     def _opened(self) -> _Grid:
-        """The grid, opened (scoring pass included) the first time a point is grafted."""
+        """The grid, opened (scoring pass included) the first time a point is grafted or written."""
         if self._grid is None:
-            scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=self.out))
-            self._stack.callback(shutil.rmtree, scratch, True)
+            self._scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=self.out))
+            self._stack.callback(shutil.rmtree, self._scratch, True)
             self._grid = self._stack.enter_context(_opened_grid(self.config, self.inputs, self.plans, self.loaded,
-                                                                self.options, scratch))
-            self._weights = ModelWeights(self.judge.model)
+                                                                self.options, self._scratch))
         return self._grid
 
     def scored(self, splits: tuple[str, ...], point: GridPoint | None = None) -> dict:
@@ -343,8 +359,11 @@ class _EvalSweep:
         fields = {"kind": "post"} if point is None else {"kind": "point", "lambda": point.lam, "rho": point.rho}
         grid = self._opened() if point is not None else None  # its scoring pass is the grid's, not this point's
         start = time.perf_counter()
-        if grid is not None:
+        if grid is not None and point != self._loaded:  # the model may hold it still (scoring changes no weight)
+            self._weights = self._weights or ModelWeights(self.judge.model)
+            self._loaded = None
             grid.load(point, self._weights)
+            self._loaded = point
         scores = self.judge.score(self.judge.model, splits)
         roles = {split: self.judge.roles(scores, split) for split in splits}
         record = {**fields, "splits": list(splits), "scores": scores, "roles": roles}
@@ -367,23 +386,32 @@ class _EvalSweep:
                 progress.update()
         return found
 
-    def close(self) -> None:
-        """Close the grid and let the evaluation model go (the folders are written without it)."""
-        self._stack.close()
-        self._grid = self._weights = None
+    def release_model(self) -> None:
+        """Let the evaluation model go, its memory given back (the folders are written without it)."""
+        self._weights = self._loaded = None
         self.judge.model = None
+        gc.collect()
+        FreedMemory().step()
+
+    def close(self) -> None:
+        """Close the grid (its scratch folder goes) and let the evaluation model go."""
+        self._stack.close()
+        self._grid = None
+        self.release_model()
 
     def write_models(self, best: GridPoint, kept: list[GridPoint]) -> list[Path]:
         """best/ and the kept points' folders, written by the folder-writing sweep, each published whole.
 
-        They are built together in ``DIR/.models`` (one read of the inputs for all of them),
-        then each is moved into its own :class:`OutputFolder` staging and published (an
-        older folder of that name is replaced). When best/ is also a kept point, its files
-        are hard links to that folder's (no second copy on disk).
+        They are written together into the scratch folder (one read of the inputs for all of them,
+        with the grid's own thresholds), then each is moved into its own :class:`OutputFolder`
+        staging and published (an older folder of that name is replaced). When best/ is also a
+        kept point, its files are hard links to that folder's (no second copy on disk).
         """
-        build = self.out / BUILD
-        shutil.rmtree(build, ignore_errors=True)
-        run_sweep(self.config, self.source, self.plan, list(dict.fromkeys([best, *kept])), str(build), self.options)
+        grid = self._opened()
+        self.release_model()
+        build = self._scratch / "models"
+        build.mkdir()
+        grid.write(self.source, list(dict.fromkeys([best, *kept])), build, self._scratch / "spill")
         written = []
         for name, point in [(BEST, best), *((p.folder, p) for p in kept)]:
             with OutputFolder(self.out / name, replace=OVERWRITE, inputs=self.read) as output:
@@ -392,7 +420,6 @@ class _EvalSweep:
                 else:
                     os.rename(build / point.folder, output.staging)  # onto the empty staging folder
             written.append(self.out / name)
-        shutil.rmtree(build, ignore_errors=True)
         return written
 
 
@@ -506,8 +533,8 @@ def _run(sweep: _EvalSweep, points: list[GridPoint], header: dict, records: list
         validation = sweep.records(log, done, points, VALIDATION, "sweep --eval: validation")
         selection = select(points, validation, post, tolerance)
         wanted = list(dict.fromkeys(selection.frontier + ([selection.chosen] if selection.chosen else [])))
+        wanted.sort(key=lambda p: p != points[-1])  # the model holds the last point still: scored without a graft
         tests = sweep.records(log, done, wanted, TEST, "sweep --eval: test (frontier and chosen)")
-    sweep.close()
     kept = {"best": [], "frontier": selection.frontier, "all": points}[keep]
     written = sweep.write_models(selection.chosen or POST_POINT, kept)
     summary = chosen_summary(selection, post, validation, tests, tolerance, keep, written, len(points))
