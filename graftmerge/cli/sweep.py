@@ -115,13 +115,14 @@ def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[floa
     suite = load_tasks(tasks_file)
     config, source, plan = read_graft_config(config_file)
     device = options.device or "cpu"
+    dtype = "float32" if device == "cpu" else "bfloat16"  # as `graftmerge eval` loads a folder by default
     files = (str(suite.source), *(str(task.data) for task in suite.tasks if task.data is not None))
-    evaluation = Evaluation(files, suite.fingerprint,
-                            {"dtype": "float32", "device": device, "batch_size": EVAL_BATCH_SIZE})
+    evaluation = Evaluation(files, suite.fingerprint, {"dtype": dtype, "device": device, "batch_size": EVAL_BATCH_SIZE})
 
     def make_judge() -> Judge:
         """θpost loaded for evaluation, and the evaluator (every task checked against its tokenizer)."""
-        model, tokenizer = load_model_for_eval(plan.post, device=device, trust_remote_code=options.trust_remote_code)
+        model, tokenizer = load_model_for_eval(plan.post, device=device, dtype=dtype,
+                                               trust_remote_code=options.trust_remote_code)
         evaluator = Evaluator(suite, tokenizer, device=device, batch_size=EVAL_BATCH_SIZE,
                               progress=not options.quiet, splits=("validation", "test"))
         return Judge(model, lambda scored, splits: evaluator.score(scored, splits),
