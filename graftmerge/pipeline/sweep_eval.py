@@ -9,22 +9,23 @@ written folder would. So a point scores what its folder would score, and no fold
 to score it. Points are scored on the **validation** split only and appended to
 ``DIR/results.jsonl`` as each finishes. The rule (:mod:`graftmerge.math.frontier`) picks a
 point from validation scores; only the chosen point and the Pareto frontier are then scored on
-**test**. The chosen model is written to ``DIR/best/`` by the folder-writing sweep (so it is
-``mergekit-yaml``'s output of its ``mergekit_config.yml``, bit for bit), and with ``--keep`` the
-frontier's or every point's folder too; then ``chosen.json`` and ``frontier.png``.
+**test**. The chosen model is written to ``DIR/best/`` by the folder-writing sweep's own code
+(so it is ``mergekit-yaml``'s output of its ``mergekit_config.yml``, bit for bit), and with
+``--keep`` the frontier's or every point's folder too; then ``chosen.json`` and ``frontier.png``.
 
 Reads: the global mask's scoring pass reads the inputs once for the whole grid (as ``sweep``);
 grafting reads each point's inputs again (from the page cache when they fit), because holding
 every point's graft at once would cost one model per point. Memory: the evaluation model, plus
-one tensor's inputs and graft at a time, whatever the grid size.
+one tensor's inputs and graft at a time, whatever the grid size; the model is let go before
+the folders are written.
 
 DIR is filled in place, not staged, because it must outlive a kill: it is locked (``.DIR.lock``
 beside it) while a sweep runs; results.jsonl is append-only, each line fsynced; model folders
-are built by the folder-writing sweep in ``DIR/.models`` (its own staging) and each published
-whole with :class:`OutputFolder`; chosen.json and frontier.png are replaced by rename. A re-run
-with the same config, grid, tasks and evaluation settings resumes: finished points are read
-back, a torn last line is dropped and its point scored again. Nothing is created in DIR before
-every input and the task file have been checked and θpost has been scored.
+are built in a scratch folder inside DIR and each published whole with :class:`OutputFolder`;
+chosen.json and frontier.png are replaced by rename, chosen.json last. A re-run with the same
+config, grid, tasks and evaluation settings resumes: finished points are read back, a torn
+last line is dropped and its point scored again. Nothing is created in DIR before every input
+and the task file have been checked and θpost has been scored. docs/sweeps.md has the details.
 """
 
 from __future__ import annotations
