@@ -190,17 +190,20 @@ def bad_case(smol: dict, case: str, tmp_path: Path) -> tuple[list[str], str]:
         tasks.write_text("tasks:\n  - {name: known, role: old\n")
     elif case == "unknown-role":
         tasks.write_text(f"tasks:\n  - {{name: known, role: keep, metric: nll, data: {data / 'known.jsonl'}}}\n")
+    elif case == "one-role":
+        tasks.write_text(f"tasks:\n  - {{name: known, role: old, metric: nll, data: {data / 'known.jsonl'}}}\n")
     elif case == "no-test-split":  # found by the Evaluator's split check, once the tokenizer is loaded
         (tmp_path / "only.jsonl").write_text(json.dumps({"prompt": "2 + 2 =", "answer": " 4"}) + "\n")
         tasks.write_text("tasks:\n  - {name: sums, role: old, metric: nll, data: only.jsonl}\n"
                          f"  - {{name: facts, role: new, metric: nll, data: {data / 'facts.jsonl'}}}\n")
     command = sweep_arguments(smol, out)
     command[command.index("--eval") + 1] = str(tasks)
-    return command, {"bad-yaml": "not valid YAML", "unknown-role": "unknown role", "no-test-split": "no test"}[case]
+    return command, {"bad-yaml": "not valid YAML", "unknown-role": "unknown role", "one-role": "no task has role new",
+                     "no-test-split": "no test"}[case]
 
 
 @pytest.mark.parametrize("case", ["tolerance", "other-grid", "no-tasks-file", "bad-yaml", "unknown-role",
-                                  "no-test-split"])
+                                  "one-role", "no-test-split"])
 def test_bad_input_one_error_line_nothing_in_dir(smol, tmp_path, case):
     command, fragment = bad_case(smol, case, tmp_path)
     before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "out").iterdir()) if (tmp_path / "out").exists() \

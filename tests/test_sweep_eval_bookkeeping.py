@@ -85,6 +85,14 @@ class WeightJudge:
         return {"old": scores["keep"][split], "new": scores["learn"][split]}
 
 
+class OldRoleOnly(WeightJudge):
+    """Tasks of the old role only: no new-role score to choose by."""
+
+    @staticmethod
+    def roles(scores: dict, split: str) -> dict:
+        return {"old": scores["keep"][split]}
+
+
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
     checkpoint = Checkpoint(folder)
     return {name: checkpoint.read(name).double() for name in checkpoint.tensors}
@@ -295,7 +303,7 @@ def test_another_sweeps_log_in_dir_is_refused_and_left_alone(setup, fresh, tmp_p
 
 
 @pytest.mark.parametrize("case", ["tolerance-negative", "tolerance-above-1", "tolerance-nan", "keep", "not-empty",
-                                  "dir-is-input", "dir-holds-tasks", "post-nan", "judge-refuses"])
+                                  "dir-is-input", "dir-holds-tasks", "post-nan", "one-role", "judge-refuses"])
 def test_bad_input_leaves_nothing(setup, tmp_path, case):
     out = tmp_path / "out"
     arguments: dict = {}
@@ -312,6 +320,8 @@ def test_bad_input_leaves_nothing(setup, tmp_path, case):
         out = setup["root"]
     elif case == "post-nan":
         arguments["judge"] = WeightJudge(setup["models"], fail=(1,))
+    elif case == "one-role":
+        arguments["judge"] = OldRoleOnly(setup["models"])
     before = tree_digest(out) if out.exists() else None
     if case == "judge-refuses":
         with pytest.raises(GraftError, match="task"):

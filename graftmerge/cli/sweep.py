@@ -113,6 +113,10 @@ def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[floa
 
     tolerance = check_tolerance(DEFAULT_TOLERANCE if tolerance is None else tolerance)
     suite = load_tasks(tasks_file)
+    missing = [role for role in ("old", "new") if role not in {task.role for task in suite.tasks}]
+    if missing:
+        raise GraftError(f"{tasks_file}: no task has role {missing[0]}; sweep --eval chooses by the scores of both "
+                         "roles, so it needs a task of each")
     config, source, plan = read_graft_config(config_file)
     device = options.device or "cpu"
     dtype = "float32" if device == "cpu" else "bfloat16"  # as `graftmerge eval` loads a folder by default

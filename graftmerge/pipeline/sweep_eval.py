@@ -111,7 +111,8 @@ class SweepOutcome:
 
 def check_tolerance(tolerance: float) -> float:
     """τ as a float; GraftError unless it is a number in [0, 1] (role scores are normalised to [0, 1])."""
-    if not (isinstance(tolerance, int | float) and math.isfinite(tolerance) and 0 <= tolerance <= 1):
+    if isinstance(tolerance, bool) or not (isinstance(tolerance, int | float) and math.isfinite(tolerance)
+                                           and 0 <= tolerance <= 1):
         raise GraftError(f"--tolerance must be a number in [0, 1] (normalised role scores), got {tolerance}")
     return float(tolerance)
 
@@ -524,6 +525,10 @@ def _run(sweep: _EvalSweep, points: list[GridPoint], header: dict, records: list
     if problem is not None:
         raise GraftError(f"θpost's evaluation gave NaN for {problem}: the rule compares every point with θpost, "
                          "so the sweep cannot choose; check the task file")
+    missing = [role for role in ("old", "new") if role not in post["roles"]["validation"]]
+    if missing:
+        raise GraftError(f"the tasks give no {missing[0]}-role score on validation; the rule compares old- and "
+                         "new-role scores, so it needs a task of each role")
     sweep.out.mkdir(exist_ok=True)
     _remove_leftovers(sweep.out)
     with ResultsLog(sweep.out / RESULTS) as log:
