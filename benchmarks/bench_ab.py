@@ -11,7 +11,7 @@ a difference inside it is no difference.
     python benchmarks/bench_ab.py --old HEAD~1 --config graft.yml --peer ta.yml [--repeats 4]
                                   [--cache-dir DIR]
 
-This is how the two designs reverted under issue 17 were measured (README).
+This is how the two designs tried and reverted were measured (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -51,13 +51,9 @@ from mergekit.options import MergeOptions
 
 from graftmerge.adapter import import_hook
 from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.formats.fisher_cache import (
-    FisherCacheWriter,
-    KfacFactors,
-    check_orthonormal,
-    side_rank,
-)
+from graftmerge.formats.fisher_cache import FisherCacheWriter, KfacFactors, side_rank
 from graftmerge.formats.rotation_store import RotationStore
+from graftmerge.math.eigenbasis import check_orthonormal
 from graftmerge.math.projection import KFAC_ROTATIONS, TensorFisher, remove_masked, score_delta
 from graftmerge.math.selection import mask_from_threshold
 from graftmerge.pipeline.fisher_compress import compress_cache
@@ -136,15 +132,19 @@ def orthonormal_check_benchmark(repeats: int = 3) -> None:
     for n in SIDES_PER_LAYER:
         basis = random_basis(n, g)
         check[n] = best_seconds(lambda basis=basis: check_orthonormal(basis, "basis"), repeats)
-        digest[n] = best_seconds(lambda basis=basis: hashlib.sha256(memoryview(basis.numpy()).cast("B")).digest(), repeats)
+        digest[n] = best_seconds(
+            lambda basis=basis: hashlib.sha256(memoryview(basis.numpy()).cast("B")).digest(), repeats
+        )
         print(f"  side {n}: full check {check[n] * 1e3:7.1f} ms ({2 * n ** 3 / check[n] / 1e9:5.1f} GFLOP/s), "
               f"sha256 of the {n * n * 4 / 1e6:.0f} MB tensor {digest[n] * 1e3:5.1f} ms")
     first = LAYERS * sum(count * check[n] for n, count in SIDES_PER_LAYER.items())
     again = LAYERS * sum(count * digest[n] for n, count in SIDES_PER_LAYER.items())
     sides = LAYERS * sum(SIDES_PER_LAYER.values())
-    print(f"0.6B KFAC cache ({sides} full sides, each a distinct basis): the first merge on a machine checks every "
-          f"side in full, {first:.1f} s (+ {again:.1f} s of sha256); every later merge reads each side once and matches "
-          f"its sha256 against the record of bases that passed: {again:.1f} s")
+    print(
+        f"0.6B KFAC cache ({sides} full sides, each a distinct basis): the first merge on a machine checks every "
+        f"side in full, {first:.1f} s (+ {again:.1f} s of sha256); every later merge reads each side once and matches "
+        f"its sha256 against the record of bases that passed: {again:.1f} s"
+    )
 
 
 def write_kfac_cache(workdir: Path) -> Path:
@@ -329,7 +329,9 @@ def main() -> None:
     chosen = choose_rank(args.workdir, [int(k) for k in args.ranks.split(",")])
     configs = {"task_arithmetic": CONFIGS["task_arithmetic"], f"graft rho={RHO} global KFAC": kfac_config()}
     if chosen is not None:
-        configs[f"graft KFAC rank {chosen[0]} (rho_K {chosen[1]:.4g})"] = kfac_config(f"fisher-kfac-r{chosen[0]}", chosen[1])
+        configs[f"graft KFAC rank {chosen[0]} (rho_K {chosen[1]:.4g})"] = kfac_config(
+            f"fisher-kfac-r{chosen[0]}", chosen[1]
+        )
     else:
         print(f"no K in {args.ranks} reaches a mask overlap of 0.99; the compact cache is not timed")
     timed_runs(args.workdir, {name: c for name, c in configs.items() if "KFAC" in name}, 1, user_cache)  # warm-up

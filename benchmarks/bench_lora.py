@@ -35,7 +35,7 @@ from mergekit.config import MergeConfiguration
 from safetensors.torch import save_file
 
 from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.formats.lora_adapter import open_lora_fine_tune
+from graftmerge.formats.lora_sources import open_lora_fine_tune
 from graftmerge.math.projection import KFAC_ROTATIONS
 from graftmerge.pipeline.delta_extract import extract_delta
 from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config

@@ -80,7 +80,9 @@ def main() -> None:
     if 1 not in sizes:
         sizes.insert(0, 1)
 
-    model = small_qwen3(args.hidden, args.layers, args.intermediate, args.vocab, getattr(torch, args.dtype)).to(args.device)
+    model = small_qwen3(args.hidden, args.layers, args.intermediate, args.vocab, getattr(torch, args.dtype)).to(
+        args.device
+    )
     prompts = make_prompts(args)
     rollouts = args.prompts * args.samples
     parameters = sum(p.numel() for p in model.parameters())

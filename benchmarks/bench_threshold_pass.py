@@ -21,7 +21,8 @@ from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.global_threshold import ThresholdSearch
 from graftmerge.math.scores import diagonal_scores
 from graftmerge.math.selection import masked_count
-from graftmerge.pipeline.graft_plan import GraftInputs, read_graft_config
+from graftmerge.pipeline.config_files import read_graft_config
+from graftmerge.pipeline.graft_plan import GraftInputs
 from graftmerge.pipeline.threshold_pass import compute_global_threshold
 
 
@@ -58,7 +59,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             compute_global_threshold(inputs, progress=False, rotations=RotationStore(scratch))
 
-    print(f"{len(names)} ranked tensors, {len(blocks)} row blocks, {total / 1e9:.3f}B directions; best of {args.repeats}")
+    print(
+        f"{len(names)} ranked tensors, {len(blocks)} row blocks, {total / 1e9:.3f}B directions; best of {args.repeats}"
+    )
     print(f"  read Δ and Fisher          {best(args.repeats, read):6.2f} s")
     if diagonal:
         print(f"  read + score (all kept)    {best(args.repeats, scores):6.2f} s")

@@ -32,7 +32,7 @@ import graftmerge.pipeline.graft as graft
 import graftmerge.pipeline.graft_plan as graft_plan
 import graftmerge.pipeline.threshold_pass as threshold_pass
 from graftmerge.adapter import import_hook
-from graftmerge.pipeline.graft_plan import read_graft_config
+from graftmerge.pipeline.config_files import read_graft_config
 
 WATCHED = [
     (threshold_pass, "compute_global_threshold"), (threshold_pass, "_score_block"),

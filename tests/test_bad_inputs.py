@@ -14,17 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import (
-    copy_model,
-    graft_yaml,
-    run_process,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
 from safetensors.torch import load_file, save_file
 
 from graftmerge.adapter import import_hook
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import copy_model, tree_digest
+from tests.helpers.runners import run_process
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +63,19 @@ def bad(tied_models, untied_models, tied_diag_cache, tmp_path_factory) -> dict[s
     paths["kfac_not_orthonormal"] = kfac("kfac_not_orthonormal")
     _edit_cache_tensor(paths["kfac_not_orthonormal"], "rows/eigenvectors", lambda t: t * 1.5)
     paths["kfac_nan_eigenvector"] = kfac("kfac_nan_eigenvector")
-    _edit_cache_tensor(paths["kfac_nan_eigenvector"], "columns/eigenvectors", lambda t: t.index_fill(0, torch.tensor([2]), float("nan")))
+    _edit_cache_tensor(
+        paths["kfac_nan_eigenvector"],
+        "columns/eigenvectors",
+        lambda t: t.index_fill(0, torch.tensor([2]), float("nan")),
+    )
     paths["kfac_negative_eigenvalue"] = kfac("kfac_negative_eigenvalue")
-    _edit_cache_tensor(paths["kfac_negative_eigenvalue"], "columns/eigenvalues", lambda t: t.index_fill(0, torch.tensor([0]), -1.0))
+    _edit_cache_tensor(
+        paths["kfac_negative_eigenvalue"], "columns/eigenvalues", lambda t: t.index_fill(0, torch.tensor([0]), -1.0)
+    )
     paths["kfac_nan_eigenvalue"] = kfac("kfac_nan_eigenvalue")
-    _edit_cache_tensor(paths["kfac_nan_eigenvalue"], "rows/eigenvalues", lambda t: t.index_fill(0, torch.tensor([1]), float("nan")))
+    _edit_cache_tensor(
+        paths["kfac_nan_eigenvalue"], "rows/eigenvalues", lambda t: t.index_fill(0, torch.tensor([1]), float("nan"))
+    )
     paths["kfac_wrong_factor"] = kfac("kfac_wrong_factor")
     _edit_manifest(paths["kfac_wrong_factor"], lambda e: e["model.layers.0.self_attn.k_proj.weight"]["kfac"].update(
         rows=e["model.layers.0.self_attn.q_proj.weight"]["kfac"]["rows"]))
@@ -146,7 +150,9 @@ def _config(m, bad, case: str) -> str:
         "fisher is not a cache": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["not_a_cache"]),
         "cache for another model": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["fisher_other_model"]),
         "cache with NaN": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["fisher_nan"]),
-        "cache with Inf (tensor scope)": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["fisher_inf"], scope="tensor"),
+        "cache with Inf (tensor scope)": graft_yaml(
+            post, donor, [(ft, 1)], rho=0.1, fisher=bad["fisher_inf"], scope="tensor"
+        ),
         "cache with negative entries": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["fisher_negative"]),
         "shape mismatch": graft_yaml(post, donor, [(bad["wrong_shape"], 1)]),
         "tensor missing from donor_ft": graft_yaml(post, donor, [(bad["missing_tensor"], 1)]),
@@ -154,9 +160,13 @@ def _config(m, bad, case: str) -> str:
         "corrupt safetensors header": graft_yaml(post, donor, [(bad["corrupt"], 1)]),
         "absurd header length": graft_yaml(post, donor, [(bad["huge_header"], 1)]),
         "model folder does not exist": graft_yaml(post, donor, [(m["post"].parent / "nowhere", 1)]),
-        "KFAC eigenvectors not orthonormal": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_not_orthonormal"]),
+        "KFAC eigenvectors not orthonormal": graft_yaml(
+            post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_not_orthonormal"]
+        ),
         "KFAC eigenvector NaN": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_nan_eigenvector"]),
-        "KFAC eigenvalue below zero": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_negative_eigenvalue"], scope="tensor"),
+        "KFAC eigenvalue below zero": graft_yaml(
+            post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_negative_eigenvalue"], scope="tensor"
+        ),
         "KFAC eigenvalue NaN": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_nan_eigenvalue"]),
         "KFAC factor of the wrong size": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_wrong_factor"]),
         "KFAC entry for a vector": graft_yaml(post, donor, [(ft, 1)], rho=0.1, fisher=bad["kfac_on_vector"]),

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 from click.testing import CliRunner
-from test_estimate_support import load, make_model
 
 from graftmerge.errors import GraftError
 from graftmerge.estimate.run import EstimateSettings, estimate_fisher
@@ -18,6 +16,7 @@ from graftmerge.estimate.sampling import (
     sample_batch,
     sample_completions,
 )
+from tests.helpers.estimation import load, make_model
 
 CPU = torch.device("cpu")
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9], [10, 11, 12], [5] * 12, [40, 41]]
@@ -147,11 +146,6 @@ def test_estimate_rollouts_do_not_depend_on_the_sample_batch_size(folders, tmp_p
     rows = [json.loads(line) for line in saved[1].read_text().splitlines()]
     assert [r["prompt_ids"] for r in rows[::2]] == PROMPTS + [[7, 8, 9, 10], [2] * 5]  # prompt order
     assert saved[1].read_text() == saved[2].read_text() == saved[5].read_text()
-
-
-@pytest.fixture
-def plain_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["graftmerge"])  # report_errors reads -v from sys.argv
 
 
 def test_bad_sample_batch_size_is_one_line(folders, tmp_path, plain_argv):

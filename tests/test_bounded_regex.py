@@ -23,22 +23,18 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import assert_identical, graft_yaml, read_model, run_cli, run_process, tree_digest
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
 from graftmerge.errors import GraftError
 from graftmerge.formats import bounded_regex
-from graftmerge.formats.lora_adapter import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    check_adapter_config,
-    open_lora_adapter,
-    pattern_key,
-    peft_adapts,
-)
+from graftmerge.formats.lora_adapter import CONFIG_NAME, WEIGHTS_NAME, open_lora_adapter
+from graftmerge.formats.peft_rules import check_adapter_config, pattern_key, peft_adapts
 from graftmerge.pipeline.lora_inputs import lora_delta_state_dict
 from graftmerge.testing.tiny_models import ARCHITECTURES, make_graft_inputs, save_tiny_model
+from tests.helpers.configs import graft_yaml
+from tests.helpers.models import assert_identical, read_model, tree_digest
+from tests.helpers.runners import run_cli, run_process
 
 BOUND_S = 10.0  # what a run with hostile patterns may take at most (a backtracking one would take hours)
 
@@ -136,7 +132,9 @@ def test_a_backtracking_pattern_in_each_field_merges_as_peft_would(tmp_path, mod
 
 @pytest.mark.timeout(120)
 def test_every_backtracking_field_at_once_through_mergekit_yaml_base_plus_adapter(tmp_path, models):
-    changes = {k: v for field in ("rank_pattern", "alpha_pattern", "exclude_modules") for k, v in HOSTILE[field][1].items()}
+    changes = {
+        k: v for field in ("rank_pattern", "alpha_pattern", "exclude_modules") for k, v in HOSTILE[field][1].items()
+    }
     adapter = with_config(models["lists"], tmp_path / "adapter", changes)
     scalings = {m.module: m.scaling for m in open_lora_adapter(adapter).modules.values()}
     assert scalings["model.layers.0.self_attn.v_proj"] == 4.0 and scalings["model.layers.1.mlp.down_proj"] == 0.75
@@ -244,7 +242,9 @@ def adapter_files(adapter: Path, weights: bool = True) -> dict[str, bytes]:
 def test_pull_of_backtracking_patterns_is_bounded_and_takes_the_adapter(tmp_path, models, monkeypatch):
     from huggingface_hub import constants
 
-    changes = {k: v for field in ("rank_pattern", "alpha_pattern", "exclude_modules") for k, v in HOSTILE[field][1].items()}
+    changes = {
+        k: v for field in ("rank_pattern", "alpha_pattern", "exclude_modules") for k, v in HOSTILE[field][1].items()
+    }
     adapter = with_config(models["lists"], tmp_path / "adapter", changes)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     place_in_hf_cache(tmp_path / "hf-cache", "acme/hostile", adapter_files(adapter))
@@ -302,8 +302,16 @@ LAYER_PATTERNS = ["layers", "h", ["blocks", "layers"], "model.layers", r"layer\w
 
 def module_names(tmp_path: Path) -> list[str]:
     """Every module name of tiny Qwen3 and GPT-2 models, and some odd ones."""
-    names = ["layers.0.q_proj", "model.blocks.2.layers.5.q_proj", "q_proj", "model.layers.1", "model.1.layers.0.up_proj",
-             "model.decoder.layers.2.self_attn.v_proj", "Q_PROJ", "x.V_PROJ"]
+    names = [
+        "layers.0.q_proj",
+        "model.blocks.2.layers.5.q_proj",
+        "q_proj",
+        "model.layers.1",
+        "model.1.layers.0.up_proj",
+        "model.decoder.layers.2.self_attn.v_proj",
+        "Q_PROJ",
+        "x.V_PROJ",
+    ]
     for architecture in ("qwen3", "gpt2"):
         save_tiny_model(tmp_path / architecture, seed=0, architecture=architecture)
         model = getattr(transformers, ARCHITECTURES[architecture][1]).from_pretrained(tmp_path / architecture)
@@ -361,7 +369,7 @@ def test_python_s_meaning_is_kept_where_re2_syntax_differs():
 def test_a_huge_class_name_in_the_adapter_or_the_model_is_compared_in_bounded_time(tmp_path, models):
     """The model family is a suffix search on auto_mapping's class name and the model's architectures:
     quadratic in the name's length, so a name longer than any class name is compared whole."""
-    from graftmerge.formats.lora_adapter import check_architecture
+    from graftmerge.formats.lora_binding import check_architecture
 
     adapter = with_config(models["lists"], tmp_path / "adapter",
                           {"auto_mapping": {"base_model_class": "ForA" * 50_000 + "!", "parent_library": "x"}})

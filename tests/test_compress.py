@@ -13,20 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import (
-    graft_yaml,
-    read_model,
-    run_cli,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
 
 from graftmerge.cli import main
 from graftmerge.errors import GraftError
 from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
 from graftmerge.pipeline.fisher_compress import compress_cache, delta_report, truncate_side
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import read_model, tree_digest
+from tests.helpers.runners import run_cli
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -66,7 +62,10 @@ def test_truncated_cache_reads_back_leading_block(tmp_path, tied_models, mixed):
     assert compact.names("diagonal") == full.names("diagonal") and compact.names("kfac") == full.names("kfac")
     for name in full.names("kfac"):
         f, c = full.kfac(name), compact.kfac(name)
-        for vectors, values, small_vectors, small_values, side in ((f.U, f.S, c.U, c.S, "rows"), (f.V, f.D, c.V, c.D, "columns")):
+        for vectors, values, small_vectors, small_values, side in (
+            (f.U, f.S, c.U, c.S, "rows"),
+            (f.V, f.D, c.V, c.D, "columns"),
+        ):
             record = compact.kfac_side(name, side)
             if vectors is None:  # the embedding's vocabulary side stays diagonal
                 assert small_vectors is None and torch.equal(small_values, values)
@@ -92,7 +91,10 @@ def test_truncated_cache_reads_back_leading_block(tmp_path, tied_models, mixed):
 def test_writer_refuses_bad_truncated_shapes(tmp_path, tied_models):
     name = "model.layers.0.mlp.down_proj.weight"
     rows, columns = 64, 96
-    with pytest.raises(GraftError, match="need"), FisherCacheWriter(tmp_path / "bad", model=tied_models["post"]) as writer:
+    with (
+        pytest.raises(GraftError, match="need"),
+        FisherCacheWriter(tmp_path / "bad", model=tied_models["post"]) as writer,
+    ):
         writer.add_kfac_eigen(name, U=torch.eye(rows)[:, :4].T, S=torch.ones(rows), V=None, D=torch.ones(columns))
     assert not (tmp_path / "bad").exists()
 

@@ -18,15 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import (
-    assert_identical,
-    copy_model,
-    mergekit_yaml_model,
-    read_model,
-    run_cli,
-    tree_digest,
-    write_mixed_cache,
-)
 from safetensors.torch import save_file
 
 from graftmerge.adapter import import_hook
@@ -35,6 +26,9 @@ from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.delta_folder import MANIFEST_NAME, sampled_digest
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.testing.tiny_models import make_graft_inputs
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import assert_identical, copy_model, read_model, tree_digest
+from tests.helpers.runners import mergekit_yaml_model, run_cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -320,7 +314,12 @@ def test_stats_cli_prints_table_and_writes_png_and_json(tmp_path, deltas, mixed_
     saved = json.loads(numbers.read_text())
     expected = compute_stats(deltas["ft"], mixed_cache, progress=False)
     assert saved["total"]["global_top_share"] == pytest.approx(expected.total().global_top_share, rel=1e-12)
-    assert [b["name"] for b in saved["blocks"]] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]
+    assert [b["name"] for b in saved["blocks"]] == [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.norm",
+    ]
 
     plain = invoke("delta", "stats", deltas["ft"], "--plot", tmp_path / "plain.png", "--blocks-only", "-q")
     assert plain.exit_code == 0, plain.output
@@ -424,7 +423,6 @@ def test_bad_extract_and_stats_inputs(tmp_path, tied_models, untied_models, delt
 
     assert_one_line_error(invoke("delta", "stats", m["donor_ft"]), "is not a graftmerge delta")
     other_cache = tmp_path / "other-fisher"
-    from conftest import write_diagonal_cache
 
     write_diagonal_cache(other_cache, untied_models["post"])
     assert_one_line_error(invoke("delta", "stats", deltas["ft"], "--fisher", other_cache, "--plot", tmp_path / "p.png"),

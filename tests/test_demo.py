@@ -1,7 +1,7 @@
 """`graftmerge demo` as the README runs it: the console script, every artefact written and consistent.
 
 The README's `graftmerge demo` runs as a real process; `--tiny` (every stage of `--lm` at a
-tiny size) runs the same click command in this process (conftest.run_cli, `--jobs 0`: no
+tiny size) runs the same click command in this process (tests.helpers.runners.run_cli, `--jobs 0`: no
 worker processes), its own merges and estimates in subprocesses.
 """
 
@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import brute_force_graft, mergekit_yaml_model, one_line_error, read_model, run_cli
 
 from graftmerge.cli import main
 from graftmerge.demo.lm_evaluate import graft_config
 from graftmerge.demo.lm_settings import TINY
 from graftmerge.formats.checkpoint import Checkpoint
+from tests.helpers.models import read_model
+from tests.helpers.references import brute_force_graft
+from tests.helpers.runners import mergekit_yaml_model, one_line_error, run_cli
 
 pytestmark = pytest.mark.schedule_first  # each demo trains, estimates and merges for tens of seconds
 
@@ -39,7 +41,10 @@ def test_demo_writes_consistent_artefacts(tmp_path: Path) -> None:
     assert minimal["eps_donor"] < minimal["eps_post"]
     for method in ("sft", "sft_merge", "graft"):
         start = minimal["curves"][method][0]  # λ = 0 / zero steps: θpost itself
-        assert (start["loss_a"], start["loss_b"]) == (minimal["post_losses"]["loss_a"], minimal["post_losses"]["loss_b"])
+        assert (start["loss_a"], start["loss_b"]) == (
+            minimal["post_losses"]["loss_a"],
+            minimal["post_losses"]["loss_b"],
+        )
 
     post, grafted = Checkpoint(tmp_path / "post"), Checkpoint(tmp_path / "grafted")
     assert set(post.tensors) == set(grafted.tensors)

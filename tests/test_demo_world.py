@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_model
 
 from graftmerge.demo.lm import ModelSize, TrainSettings, build_model, epoch_batches, score, train
 from graftmerge.demo.lm_pipeline import InlineExecutor
@@ -29,6 +28,7 @@ from graftmerge.demo.world import (
     assert_disjoint,
     make_splits,
 )
+from tests.helpers.models import read_model
 
 SIZE = ModelSize(hidden_size=32, num_hidden_layers=1, intermediate_size=64)
 

@@ -24,21 +24,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import (
-    copy_model,
-    graft_yaml,
-    read_model,
-    run_cli,
-    run_process,
-    tree_digest,
-    write_mixed_cache,
-)
 
 from graftmerge.adapter import import_hook
 from graftmerge.errors import GraftError
+from graftmerge.pipeline.config_files import read_merge_config
 from graftmerge.pipeline.delta_extract import extract_delta, extract_lora
-from graftmerge.pipeline.graft_plan import read_merge_config
 from graftmerge.testing.tiny_models import tiny_config
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_mixed_cache
+from tests.helpers.models import copy_model, read_model, tree_digest
+from tests.helpers.runners import run_cli, run_process
 
 HUGE = "1" + "0" * 5000  # past Python's 4300-digit int/str conversion limit
 WIDE = "1" + "0" * 400  # an int Python reads, float cannot hold

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 from click.testing import CliRunner
-from test_estimate_support import (
+
+from graftmerge.cli import main
+from graftmerge.formats.fisher_cache import open_fisher_cache
+from tests.helpers.estimation import (
     brute_force_diagonal,
     brute_force_kfac,
     caches_close,
@@ -19,14 +21,7 @@ from test_estimate_support import (
     write_jsonl,
 )
 
-from graftmerge.cli import main
-from graftmerge.formats.fisher_cache import open_fisher_cache
-
-
-@pytest.fixture(autouse=True)
-def plain_argv(monkeypatch):
-    """report_errors looks for -v in sys.argv; pytest's own flags must not leak into it."""
-    monkeypatch.setattr(sys, "argv", ["graftmerge"])
+pytestmark = pytest.mark.usefixtures("plain_argv")  # pytest's own flags must not reach report_errors' -v
 
 
 @pytest.fixture(scope="module")

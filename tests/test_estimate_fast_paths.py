@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_estimate_math import accumulate, relative_error
-from test_estimate_support import brute_force_diagonal, load, make_model
 
 from graftmerge.errors import GraftError
 from graftmerge.estimate import kfac_factors
@@ -25,6 +23,13 @@ from graftmerge.estimate.per_sequence_gradients import (
     add_squared_gradients,
 )
 from graftmerge.estimate.rollouts import Rollout
+from tests.helpers.estimation import (
+    accumulate,
+    brute_force_diagonal,
+    load,
+    make_model,
+    relative_error,
+)
 
 LENGTHS = [9, 6, 9, 1]
 VOCAB, HIDDEN, D_IN = 23, 5, 7

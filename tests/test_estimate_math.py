@@ -4,30 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_estimate_support import (
+
+from graftmerge.errors import GraftError
+from graftmerge.estimate.accumulator import FisherAccumulator
+from tests.helpers.estimation import (
+    accumulate,
     brute_force_diagonal,
     brute_force_kfac,
     load,
     make_model,
     random_rollouts,
+    relative_error,
 )
 
-from graftmerge.errors import GraftError
-from graftmerge.estimate.accumulator import FisherAccumulator
-from graftmerge.estimate.batching import pad_batch, plan_batches
-
 ROLLOUTS = random_rollouts(7, seed=3)
-
-
-def accumulate(model, rollouts, batch_size: int, **options):
-    with FisherAccumulator(model, dtype=torch.float64, **options) as accumulator:
-        for indices in plan_batches([r.length for r in rollouts], batch_size):
-            accumulator.accumulate(pad_batch([rollouts[i] for i in indices]))
-    return accumulator.means()
-
-
-def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
-    return float((x - y).abs().max() / y.abs().max())
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])

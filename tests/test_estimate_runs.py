@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
-from test_estimate_support import caches_close, make_model, random_rollouts, write_jsonl
 
 from graftmerge.errors import GraftError
 from graftmerge.estimate.checkpointing import checkpoint_folder
 from graftmerge.estimate.run import EstimateSettings, estimate_fisher
 from graftmerge.formats.fisher_cache import open_fisher_cache
+from tests.helpers.estimation import caches_close, make_model, random_rollouts, write_jsonl
+from tests.helpers.runners import run_cli
 
 
 @pytest.fixture(scope="module")

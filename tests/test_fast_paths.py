@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import graft_yaml, read_model, run_cli, spd, write_diagonal_cache, write_mixed_cache
 from safetensors.torch import load_file, save_file
-from test_selection import brute_force_mask, continuous_scores, tied_scores
 
 import graftmerge.formats.fisher_cache as fisher_cache
 import graftmerge.pipeline.graft as graft
@@ -36,6 +34,11 @@ from graftmerge.math.projection import (
 )
 from graftmerge.math.scores import diagonal_scores
 from graftmerge.math.selection import mask_from_threshold, top_k_mask
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import spd, write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import read_model
+from tests.helpers.references import brute_force_mask, continuous_scores, tied_scores
+from tests.helpers.runners import run_cli
 
 # -- the mask the search keeps ----------------------------------------------------------------
 
@@ -132,12 +135,16 @@ def test_merge_with_kept_masks_equals_merge_from_cached_threshold(tmp_path, monk
     write = write_diagonal_cache if cache_kind == "diagonal" else write_mixed_cache
     fisher = write(tmp_path / "fisher", m["post"])
     if spill_limit is not None:  # some tensors overflow: their Δ̃ is kept whole, they are scored again
-        monkeypatch.setattr(threshold_pass, "ThresholdSearch", functools.partial(ThresholdSearch, spill_limit=spill_limit))
+        monkeypatch.setattr(
+            threshold_pass, "ThresholdSearch", functools.partial(ThresholdSearch, spill_limit=spill_limit)
+        )
     config = tmp_path / "graft.yml"
     config.write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.7), (m["donor_ft2"], 0.4)], rho=0.05,
                                  fisher=fisher, dtype="float32", out_dtype="float32"))
     env = {"GRAFTMERGE_CACHE_DIR": str(tmp_path / "cache")}
-    fast = {name: count_calls(monkeypatch, graft, name) for name in ("remove_masked_coordinates", "remove_masked_pairs")}
+    fast = {
+        name: count_calls(monkeypatch, graft, name) for name in ("remove_masked_coordinates", "remove_masked_pairs")
+    }
     slow = count_calls(monkeypatch, graft, "remove_masked")
     assert run_cli("mergekit-yaml", str(config), str(tmp_path / "fresh"), env=env).returncode == 0
     used = {name: len(calls) for name, calls in fast.items()}
@@ -225,7 +232,9 @@ def test_a_settled_shard_is_found_in_the_record_without_hashing(tmp_path, monkey
     monkeypatch.setenv("GRAFTMERGE_CACHE_DIR", str(tmp_path / "user-cache"))
     cache = kfac_cache(tmp_path / "fisher", tied_models["post"])
     names = open_fisher_cache(cache).names("kfac")
-    hashed, checked = (count_calls(monkeypatch, fisher_cache, name) for name in ("orthonormal_digest", "check_orthonormal"))
+    hashed, checked = (
+        count_calls(monkeypatch, fisher_cache, name) for name in ("orthonormal_digest", "check_orthonormal")
+    )
     for name in names:  # just written: named by content only
         open_fisher_cache(cache).kfac(name)
     assert hashed
@@ -250,7 +259,9 @@ def test_an_edit_in_place_with_its_mtime_put_back_is_checked_again(tmp_path, mon
     before = os.stat(shard)
     with open(shard, "r+b") as handle:  # same size, same shape: the first column scaled, no longer orthonormal
         handle.seek(layout.data_start + begin)
-        vectors = torch.frombuffer(bytearray(handle.read(end - begin)), dtype=torch.float32).reshape(layout.tensors[key].shape)
+        vectors = torch.frombuffer(bytearray(handle.read(end - begin)), dtype=torch.float32).reshape(
+            layout.tensors[key].shape
+        )
         vectors[:, 0] *= 1.5
         handle.seek(layout.data_start + begin)
         handle.write(vectors.numpy().tobytes())

@@ -10,30 +10,26 @@ Large but finite values still merge, bit for bit as the formula gives them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    copy_model,
-    graft_yaml,
-    read_model,
-    run_cli,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
 from safetensors.torch import load_file, save_file
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.math.finite import FLOAT32_MAX, fits, product_bound
-from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config, read_merge_config
+from graftmerge.pipeline.config_files import read_merge_config
+from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config
 from graftmerge.pipeline.threshold_pass import compute_global_threshold
 from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fake_hub import place_in_hf_cache
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import copy_model, read_model, tree_digest
+from tests.helpers.runners import run_cli
 
 UP = "model.layers.0.mlp.up_proj.weight"  # ranked by both caches (KFAC in the mixed one)
 Q = "model.layers.1.self_attn.q_proj.weight"  # the adapters' one target (64 × 64)
@@ -375,21 +371,6 @@ def test_large_finite_values_merge_bit_identically(tmp_path, dtype, value):
 
 
 # -- delta pull: an adapter a graft would refuse is never published ----------------------------------------------------
-
-
-def place_in_hf_cache(cache: Path, repo_id: str, folder: Path) -> None:
-    """``folder`` laid out as the HF cache keeps a download: blobs, refs/main, snapshots/<commit>."""
-    storage = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = storage / "snapshots" / hashlib.sha1(repo_id.encode()).hexdigest()
-    snapshot.mkdir(parents=True)
-    (storage / "blobs").mkdir(exist_ok=True)
-    for file in sorted(folder.iterdir()):
-        data = file.read_bytes()
-        blob = storage / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
-    (storage / "refs").mkdir()
-    (storage / "refs" / "main").write_text(snapshot.name)
 
 
 @pytest.fixture

@@ -101,7 +101,10 @@ def test_manifest_is_written_last(tmp_path, tied_models, monkeypatch):
     ],
 )
 def test_writer_refuses_bad_entries(tmp_path, tied_models, call, message):
-    with FisherCacheWriter(tmp_path / "c", model=tied_models["post"]) as writer, pytest.raises(GraftError, match=message):
+    with (
+        FisherCacheWriter(tmp_path / "c", model=tied_models["post"]) as writer,
+        pytest.raises(GraftError, match=message),
+    ):
         call(writer)
 
 

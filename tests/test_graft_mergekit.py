@@ -1,8 +1,8 @@
 """`graft` through the real, unmodified mergekit-yaml, against task_arithmetic and brute force.
 
-Merges run mergekit-yaml's own click command in this process (conftest.run_cli); the tests
+Merges run mergekit-yaml's own click command in this process (tests.helpers.runners.run_cli); the tests
 about the process itself (the .pth hook, start-up imports, the threshold cache between
-runs, the console script) run real subprocesses (conftest.run_process).
+runs, the console script) run real subprocesses (tests.helpers.runners.run_process).
 """
 
 from __future__ import annotations
@@ -14,17 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    brute_force_graft,
-    graft_yaml,
-    read_model,
-    run_cli,
-    run_process,
-    write_diagonal_cache,
-)
 from safetensors.torch import save_file
 
 from graftmerge.formats.fisher_cache import open_fisher_cache
+from tests.helpers.configs import graft_yaml, task_arithmetic_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import assert_within_one_ulp, read_model
+from tests.helpers.references import brute_force_graft
+from tests.helpers.runners import run_cli, run_process
 
 
 def merge(tmp_path: Path, config: str, name: str = "out", *extra: str, tool=("mergekit-yaml",)) -> Path:
@@ -34,24 +31,6 @@ def merge(tmp_path: Path, config: str, name: str = "out", *extra: str, tool=("me
     result = run_cli(*tool, str(file), str(out), *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
-
-
-def task_arithmetic_yaml(post, donor, fine_tunes, out_dtype) -> str:
-    models = f"  - model: {post}\n    parameters: {{weight: 1.0}}\n"
-    for path, weight in fine_tunes:
-        models += f"  - model: {path}\n    parameters: {{weight: {weight}}}\n"
-    return (
-        f"merge_method: task_arithmetic\nbase_model: {donor}\nmodels:\n{models}"
-        f"parameters: {{normalize: false}}\ndtype: float32\nout_dtype: {out_dtype}\n"
-    )
-
-
-def assert_within_one_ulp(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        x, y = a[name].float(), b[name].float()
-        ulp = torch.finfo(a[name].dtype).eps * torch.maximum(x.abs(), y.abs()).clamp_min(torch.finfo(a[name].dtype).tiny)
-        assert bool(((x - y).abs() <= ulp).all()), name
 
 
 def test_stock_mergekit_knows_graft():
@@ -93,7 +72,9 @@ def test_rho_zero_float32_differs_from_task_arithmetic_only_by_its_rounding(tmp_
     """task_arithmetic rounds donor + (post − donor) + λ(ft − donor); graft adds λΔ to post."""
     m = tied_models
     graft = read_model(merge(tmp_path, graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.7)]), "graft"))
-    ta = read_model(merge(tmp_path, task_arithmetic_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.7)], "float32"), "ta"))
+    ta = read_model(
+        merge(tmp_path, task_arithmetic_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.7)], "float32"), "ta")
+    )
     inputs = [read_model(m[key]) for key in ("donor", "post", "donor_ft")]
     for name in graft:
         scale = torch.stack([graft[name].abs()] + [x[name].abs() for x in inputs]).amax(0)
@@ -174,7 +155,9 @@ def test_threshold_pass_is_cached_between_runs(tmp_path, tied_models, tied_diag_
     assert first.returncode == second.returncode == 0, second.stderr
     assert "graft threshold: scoring" in first.stderr
     assert "graft threshold" not in second.stderr
-    assert all(torch.equal(x, y) for x, y in zip(read_model(tmp_path / "a").values(), read_model(tmp_path / "b").values()))
+    assert all(
+        torch.equal(x, y) for x, y in zip(read_model(tmp_path / "a").values(), read_model(tmp_path / "b").values())
+    )
 
 
 def test_graftmerge_merge_equals_mergekit_yaml(tmp_path, tied_models, tied_diag_cache):
@@ -223,10 +206,14 @@ if sys.platform == "linux":
 
 def test_example_configs_run_as_written(tmp_path, tied_models):
     """Every merge_configs/*.yml runs through mergekit-yaml next to the folders it names."""
-    from conftest import write_mixed_cache
 
     m = tied_models
-    for link, target in (("post", m["post"]), ("base", m["donor"]), ("base-ft", m["donor_ft"]), ("base-ft2", m["donor_ft2"])):
+    for link, target in (
+        ("post", m["post"]),
+        ("base", m["donor"]),
+        ("base-ft", m["donor_ft"]),
+        ("base-ft2", m["donor_ft2"]),
+    ):
         (tmp_path / link).symlink_to(target)
     write_diagonal_cache(tmp_path / "fisher" / "post-diag", m["post"])
     write_mixed_cache(tmp_path / "fisher" / "post-kfac", m["post"])
@@ -249,7 +236,9 @@ def test_kernel_uses_the_validated_plan_and_one_threshold_pass(tmp_path, tied_mo
     import_hook.install()
     calls = []
     original = threshold_pass.compute_global_threshold
-    monkeypatch.setattr(threshold_pass, "compute_global_threshold", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(
+        threshold_pass, "compute_global_threshold", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
     monkeypatch.setenv("GRAFTMERGE_CACHE_DIR", str(tmp_path / "threshold-cache"))
     m = tied_models
     config = tmp_path / "g.yml"

@@ -3,8 +3,8 @@
 A battery of damaged inputs (safetensors headers and offsets, shard indexes, Fisher and
 delta manifests, stored dtypes and shapes, values the math needs) goes through the real
 entry points: the stock ``mergekit-yaml`` and ``graftmerge merge`` (click commands run in
-this process with the import hook installed, conftest.run_cli), a few real processes, and
-``graftmerge fisher pull`` / ``delta pull`` against test_hub's fake Hub. Each must end
+this process with the import hook installed, tests.helpers.runners.run_cli), a few real processes, and
+``graftmerge fisher pull`` / ``delta pull`` against the fake Hub of tests/helpers/fake_hub.py. Each must end
 with exit status 2 and one ``error: ...`` line naming the file (and tensor or key), no
 traceback, no OUT, and the inputs byte for byte as they were.
 
@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import struct
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,24 +26,18 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import (
-    copy_model,
-    error_line,
-    graft_yaml,
-    read_model,
-    run_cli,
-    run_process,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
 from safetensors.torch import load_file, save_file
-from test_hub import hub  # noqa: F401 - a fixture
 
 from graftmerge.cli import main
 from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.formats.fisher_cache import check_orthonormal
+from graftmerge.math.eigenbasis import check_orthonormal
 from graftmerge.pipeline.delta_extract import extract_delta
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import copy_model, read_model, tree_digest
+from tests.helpers.runners import error_line, run_cli, run_process
+
+pytestmark = pytest.mark.usefixtures("plain_argv")  # pytest's own flags must not reach report_errors' -v
 
 SHARD = "model-00011-of-00011.safetensors"  # of the tiny model: norm, both layer-1 norms, layer-1 down_proj
 NORM, DOWN = "model.norm.weight", "model.layers.1.mlp.down_proj.weight"
@@ -52,12 +45,6 @@ LN1, LN2 = "model.layers.1.input_layernorm.weight", "model.layers.1.post_attenti
 Q = "model.layers.0.self_attn.q_proj.weight"
 K = "model.layers.0.self_attn.k_proj.weight"
 DEEP = 200_000  # nesting levels of the deep-JSON cases
-
-
-@pytest.fixture(autouse=True)
-def plain_argv(monkeypatch):
-    """report_errors looks at the command's own -v; pytest's flags must not leak into sys.argv."""
-    monkeypatch.setattr(sys, "argv", ["graftmerge"])
 
 
 # -- raw file surgery -----------------------------------------------------------------------
@@ -199,53 +186,92 @@ def drop_tensor(folder: Path) -> Path:
 
 
 MODEL_CASES = {
-    "truncated shard": model_case(lambda f: (f / SHARD).write_bytes((f / SHARD).read_bytes()[:-10]), "truncated or corrupt"),
-    "trailing bytes": model_case(lambda f: (f / SHARD).write_bytes((f / SHARD).read_bytes() + b"\0" * 16),
-                                 "truncated or corrupt"),
-    "header length 2^62": model_case(lambda f: (f / SHARD).write_bytes(struct.pack("<Q", 2**62) + (f / SHARD).read_bytes()[8:]),
-                                     "corrupt or truncated safetensors header"),
+    "truncated shard": model_case(
+        lambda f: (f / SHARD).write_bytes((f / SHARD).read_bytes()[:-10]), "truncated or corrupt"
+    ),
+    "trailing bytes": model_case(
+        lambda f: (f / SHARD).write_bytes((f / SHARD).read_bytes() + b"\0" * 16), "truncated or corrupt"
+    ),
+    "header length 2^62": model_case(
+        lambda f: (f / SHARD).write_bytes(struct.pack("<Q", 2**62) + (f / SHARD).read_bytes()[8:]),
+        "corrupt or truncated safetensors header",
+    ),
     "five-byte file": model_case(lambda f: (f / SHARD).write_bytes(b"abcde"), "not a safetensors file"),
     "header not JSON": model_case(shard_edit(lambda s: write_raw(s, b"{" + b"x" * 40, read_raw(s)[1])), "not JSON"),
     "header is a list": model_case(shard_edit(lambda s: write_raw(s, b"[1, 2]", read_raw(s)[1])), "not a JSON object"),
     "header repeats a tensor": model_case(shard_edit(lambda s: duplicate_key(s, NORM)), f"key '{NORM}' appears twice"),
-    "header nested 200k deep": model_case(shard_edit(lambda s: write_raw(s, deep_json('{"__metadata__": '),
-                                                                         read_raw(s)[1])), "nested too deeply"),
-    "metadata not str to str": model_case(shard_edit(lambda s: edit_header(s, lambda h: h.update(__metadata__={"format": 1}))),
-                                          "__metadata__ is not a map of strings to strings"),
-    "entry without data_offsets": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].pop("data_offsets"))),
-                                             f"corrupt header entry for tensor '{NORM}'"),
-    "entry with an extra key": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(crc=1))),
-                                          f"corrupt header entry for tensor '{NORM}'"),
-    "unknown dtype": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(dtype="F128"))),
-                                f"tensor '{NORM}' has unsupported dtype F128"),
-    "float dimension": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[64.0]))),
-                                  f"tensor '{NORM}' (shape [64.0]"),
-    "bool dimension": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[True, 64]))),
-                                 f"tensor '{NORM}' (shape [True, 64]"),
-    "negative dimension": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[-64]))),
-                                     f"tensor '{NORM}' (shape [-64]"),
-    "float offsets": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(
-        data_offsets=[float(o) for o in h[NORM]["data_offsets"]]))), f"tensor '{NORM}' (data_offsets"),
-    "overlapping offsets": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[LN2].update(
-        data_offsets=h[LN1]["data_offsets"]))), "overlaps the tensor before it"),
+    "header nested 200k deep": model_case(
+        shard_edit(lambda s: write_raw(s, deep_json('{"__metadata__": '), read_raw(s)[1])), "nested too deeply"
+    ),
+    "metadata not str to str": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h.update(__metadata__={"format": 1}))),
+        "__metadata__ is not a map of strings to strings",
+    ),
+    "entry without data_offsets": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].pop("data_offsets"))),
+        f"corrupt header entry for tensor '{NORM}'",
+    ),
+    "entry with an extra key": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(crc=1))),
+        f"corrupt header entry for tensor '{NORM}'",
+    ),
+    "unknown dtype": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(dtype="F128"))),
+        f"tensor '{NORM}' has unsupported dtype F128",
+    ),
+    "float dimension": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[64.0]))), f"tensor '{NORM}' (shape [64.0]"
+    ),
+    "bool dimension": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[True, 64]))),
+        f"tensor '{NORM}' (shape [True, 64]",
+    ),
+    "negative dimension": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(shape=[-64]))), f"tensor '{NORM}' (shape [-64]"
+    ),
+    "float offsets": model_case(
+        shard_edit(
+            lambda s: edit_header(s, lambda h: h[NORM].update(data_offsets=[float(o) for o in h[NORM]["data_offsets"]]))
+        ),
+        f"tensor '{NORM}' (data_offsets",
+    ),
+    "overlapping offsets": model_case(
+        shard_edit(lambda s: edit_header(s, lambda h: h[LN2].update(data_offsets=h[LN1]["data_offsets"]))),
+        "overlaps the tensor before it",
+    ),
     "gap before the first tensor": model_case(shard_edit(gap), "leaves a gap before it"),
-    "offsets shorter than the shape": model_case(shard_edit(lambda s: edit_header(s, lambda h: h[NORM].update(
-        data_offsets=[h[NORM]["data_offsets"][0], h[NORM]["data_offsets"][1] - 4]))),
-        f"tensor '{NORM}' offsets do not match its shape"),
-    "transposed shape": model_case(lambda f: edit_header(f / SHARD, lambda h: h[DOWN].update(shape=[96, 64])) or f,
-                                   f"shape mismatch for {DOWN}"),
-    "wrong shape": model_case(lambda f: edit_tensors(f / SHARD, lambda t: t.update({NORM: torch.zeros(3)})) or f,
-                              f"shape mismatch for {NORM}"),
+    "offsets shorter than the shape": model_case(
+        shard_edit(
+            lambda s: edit_header(
+                s, lambda h: h[NORM].update(data_offsets=[h[NORM]["data_offsets"][0], h[NORM]["data_offsets"][1] - 4])
+            )
+        ),
+        f"tensor '{NORM}' offsets do not match its shape",
+    ),
+    "transposed shape": model_case(
+        lambda f: edit_header(f / SHARD, lambda h: h[DOWN].update(shape=[96, 64])) or f, f"shape mismatch for {DOWN}"
+    ),
+    "wrong shape": model_case(
+        lambda f: edit_tensors(f / SHARD, lambda t: t.update({NORM: torch.zeros(3)})) or f, f"shape mismatch for {NORM}"
+    ),
     "missing tensor": model_case(drop_tensor, f"missing from donor_ft {{folder}}: {NORM}"),
-    "index puts a tensor in the wrong shard": model_case(index_edit(lambda i: i["weight_map"].update(
-        {NORM: "model-00001-of-00011.safetensors"})), f"lists tensor '{NORM}' in model-00001-of-00011.safetensors"),
-    "index omits a tensor": model_case(index_edit(lambda i: i["weight_map"].pop(NORM)), f"does not list tensor '{NORM}'"),
-    "index names a shard outside": model_case(index_edit(lambda i: i["weight_map"].update({NORM: "../x.safetensors"})),
-                                              "'../x.safetensors' is not a .safetensors file inside the folder"),
+    "index puts a tensor in the wrong shard": model_case(
+        index_edit(lambda i: i["weight_map"].update({NORM: "model-00001-of-00011.safetensors"})),
+        f"lists tensor '{NORM}' in model-00001-of-00011.safetensors",
+    ),
+    "index omits a tensor": model_case(
+        index_edit(lambda i: i["weight_map"].pop(NORM)), f"does not list tensor '{NORM}'"
+    ),
+    "index names a shard outside": model_case(
+        index_edit(lambda i: i["weight_map"].update({NORM: "../x.safetensors"})),
+        "'../x.safetensors' is not a .safetensors file inside the folder",
+    ),
     "index without weight_map": model_case(write_index(b'{"metadata": {}}'), "no `weight_map`"),
     "index nested 200k deep": model_case(write_index(deep_json('{"weight_map": {}, "deep": ')), "nested deeper than"),
-    "index repeats a key": model_case(lambda f: duplicate_key(f / "model.safetensors.index.json", "weight_map")
-                                      or f / "model.safetensors.index.json", "key 'weight_map' appears twice"),
+    "index repeats a key": model_case(
+        lambda f: duplicate_key(f / "model.safetensors.index.json", "weight_map") or f / "model.safetensors.index.json",
+        "key 'weight_map' appears twice",
+    ),
 }
 
 
@@ -310,54 +336,109 @@ def first_factor(manifest: dict) -> dict:
 
 FISHER_CASES = {
     "manifest without entries": Case("fisher", manifest_edit(lambda m: m.pop("entries")), "no `entries`"),
-    "manifest nested 200k deep": Case("fisher", manifest_bytes(lambda text: deep_json(text.rstrip()[:-1] + ', "deep": ')),
-                                      "nested deeper than 32 levels"),
-    "manifest repeats a key": Case("fisher", lambda f: duplicate_key(f / "fisher_manifest.json", "kind")
-                                   or f / "fisher_manifest.json", "key 'kind' appears twice"),
-    "manifest not JSON": Case("fisher", manifest_bytes(lambda text: text[: len(text) // 2].encode()), "corrupt manifest"),
-    "format_version true": Case("fisher", manifest_edit(lambda m: m.update(format_version=True)),
-                                "format version True is not supported"),
+    "manifest nested 200k deep": Case(
+        "fisher",
+        manifest_bytes(lambda text: deep_json(text.rstrip()[:-1] + ', "deep": ')),
+        "nested deeper than 32 levels",
+    ),
+    "manifest repeats a key": Case(
+        "fisher",
+        lambda f: duplicate_key(f / "fisher_manifest.json", "kind") or f / "fisher_manifest.json",
+        "key 'kind' appears twice",
+    ),
+    "manifest not JSON": Case(
+        "fisher", manifest_bytes(lambda text: text[: len(text) // 2].encode()), "corrupt manifest"
+    ),
+    "format_version true": Case(
+        "fisher", manifest_edit(lambda m: m.update(format_version=True)), "format version True is not supported"
+    ),
     "unknown kind": Case("fisher", manifest_edit(lambda m: m.update(kind="weird")), "`kind` is 'weird'"),
     "entries is a list": Case("fisher", manifest_edit(lambda m: m.update(entries=[1, 2])), "`entries` is list"),
-    "unknown representation": Case("fisher", manifest_edit(lambda m: m["entries"][NORM].update(representation="full")),
-                                   f"entries['{NORM}']` has representation 'full'"),
-    "unknown factor key": Case("fisher", manifest_edit(lambda m: m["entries"][Q]["kfac"].update(rows="kfac/nope/rows")),
-                               "names factor 'kfac/nope/rows', which `factors` does not have"),
-    "diagonal key not filed": Case("fisher", manifest_edit(lambda m: m["files"].pop(NORM)),
-                                   f"tensor {NORM!r} is named but `files` has no shard for it"),
-    "diagonal keyed by another name": Case("fisher", manifest_edit(lambda m: m["entries"][NORM]["diagonal"].update(
-        key="nope")), "names tensor 'nope'; a diagonal is stored under its weight's own name"),
-    "files names a path outside": Case("fisher", manifest_edit(lambda m: m["files"].update({NORM: "../x.safetensors"})),
-                                       "'../x.safetensors', not a .safetensors file inside the cache"),
-    "factor rank above size": Case("fisher", manifest_edit(lambda m: first_factor(m).update(rank=10**6)), "rank 1000000"),
-    "factor with an unknown field": Case("fisher", manifest_edit(lambda m: first_factor(m).update(scale=2)),
-                                         "has unknown field 'scale'"),
-    "model.tensors with a float dimension": Case("fisher", manifest_edit(lambda m: m["model"]["tensors"][NORM].update(
-        shape=[64.5])), f"model.tensors['{NORM}']` has shape [64.5]"),
-    "entry for a tensor the model lacks": Case("fisher", manifest_edit(lambda m: m["entries"].update(
-        {"model.bogus.weight": m["entries"][NORM]})), "entry for 'model.bogus.weight', which is not a tensor"),
-    "diagonal stored F16": Case("fisher", cache_tensor("diag", lambda t: t.half()), "is F16 [64]; the format stores F32"),
-    "diagonal stored I64": Case("fisher", cache_tensor("diag", lambda t: t.long()), "is I64 [64]; the format stores F32"),
-    "diagonal stored BOOL": Case("fisher", cache_tensor("diag", lambda t: t > 0.5), "is BOOL [64]; the format stores F32"),
+    "unknown representation": Case(
+        "fisher",
+        manifest_edit(lambda m: m["entries"][NORM].update(representation="full")),
+        f"entries['{NORM}']` has representation 'full'",
+    ),
+    "unknown factor key": Case(
+        "fisher",
+        manifest_edit(lambda m: m["entries"][Q]["kfac"].update(rows="kfac/nope/rows")),
+        "names factor 'kfac/nope/rows', which `factors` does not have",
+    ),
+    "diagonal key not filed": Case(
+        "fisher",
+        manifest_edit(lambda m: m["files"].pop(NORM)),
+        f"tensor {NORM!r} is named but `files` has no shard for it",
+    ),
+    "diagonal keyed by another name": Case(
+        "fisher",
+        manifest_edit(lambda m: m["entries"][NORM]["diagonal"].update(key="nope")),
+        "names tensor 'nope'; a diagonal is stored under its weight's own name",
+    ),
+    "files names a path outside": Case(
+        "fisher",
+        manifest_edit(lambda m: m["files"].update({NORM: "../x.safetensors"})),
+        "'../x.safetensors', not a .safetensors file inside the cache",
+    ),
+    "factor rank above size": Case(
+        "fisher", manifest_edit(lambda m: first_factor(m).update(rank=10**6)), "rank 1000000"
+    ),
+    "factor with an unknown field": Case(
+        "fisher", manifest_edit(lambda m: first_factor(m).update(scale=2)), "has unknown field 'scale'"
+    ),
+    "model.tensors with a float dimension": Case(
+        "fisher",
+        manifest_edit(lambda m: m["model"]["tensors"][NORM].update(shape=[64.5])),
+        f"model.tensors['{NORM}']` has shape [64.5]",
+    ),
+    "entry for a tensor the model lacks": Case(
+        "fisher",
+        manifest_edit(lambda m: m["entries"].update({"model.bogus.weight": m["entries"][NORM]})),
+        "entry for 'model.bogus.weight', which is not a tensor",
+    ),
+    "diagonal stored F16": Case(
+        "fisher", cache_tensor("diag", lambda t: t.half()), "is F16 [64]; the format stores F32"
+    ),
+    "diagonal stored I64": Case(
+        "fisher", cache_tensor("diag", lambda t: t.long()), "is I64 [64]; the format stores F32"
+    ),
+    "diagonal stored BOOL": Case(
+        "fisher", cache_tensor("diag", lambda t: t > 0.5), "is BOOL [64]; the format stores F32"
+    ),
     "eigenvalues stored F64": Case("fisher", cache_tensor("rows/eigenvalues", lambda t: t.double()), "is F64 [64]"),
-    "eigenvectors of the wrong shape": Case("fisher", cache_tensor("columns/eigenvectors", lambda t: t[:, :63]),
-                                            "is F32 [64, 63]; the format stores F32 [64, 64]"),
+    "eigenvectors of the wrong shape": Case(
+        "fisher",
+        cache_tensor("columns/eigenvectors", lambda t: t[:, :63]),
+        "is F32 [64, 63]; the format stores F32 [64, 64]",
+    ),
     "tensor missing from its shard": Case("fisher", drop_key, f"has no tensor '{NORM}'"),
-    "shard missing": Case("fisher", lambda f: (f / "fisher-00001.safetensors").unlink() or f,
-                          "is missing shard(s) fisher-00001.safetensors"),
-    "shard truncated": Case("fisher", cache_shard(lambda s: s.write_bytes(s.read_bytes()[:-4])), "truncated or corrupt"),
-    "shard with overlapping offsets": Case("fisher", cache_shard(lambda s: edit_header(s, lambda h: h[LN2].update(
-        data_offsets=h[LN1]["data_offsets"]))), "overlaps the tensor before it"),
+    "shard missing": Case(
+        "fisher",
+        lambda f: (f / "fisher-00001.safetensors").unlink() or f,
+        "is missing shard(s) fisher-00001.safetensors",
+    ),
+    "shard truncated": Case(
+        "fisher", cache_shard(lambda s: s.write_bytes(s.read_bytes()[:-4])), "truncated or corrupt"
+    ),
+    "shard with overlapping offsets": Case(
+        "fisher",
+        cache_shard(lambda s: edit_header(s, lambda h: h[LN2].update(data_offsets=h[LN1]["data_offsets"]))),
+        "overlaps the tensor before it",
+    ),
     "diagonal NaN": Case("fisher", cache_tensor("diag", poke(float("nan"))), "contains NaN or Inf"),
     "diagonal Inf": Case("fisher", cache_tensor("diag", poke(float("inf"))), "contains NaN or Inf"),
     "diagonal negative": Case("fisher", cache_tensor("diag", poke(-1.0)), "contains negative entries"),
     "eigenvalue negative": Case("fisher", cache_tensor("rows/eigenvalues", poke(-1.0, 0)), "contains negative entries"),
     "eigenvalue NaN": Case("fisher", cache_tensor("columns/eigenvalues", poke(float("nan"), 1)), "contains NaN or Inf"),
-    "eigenvector NaN": Case("fisher", cache_tensor("columns/eigenvectors", poke(float("nan"), 70)), "contain NaN or Inf"),
+    "eigenvector NaN": Case(
+        "fisher", cache_tensor("columns/eigenvectors", poke(float("nan"), 70)), "contain NaN or Inf"
+    ),
     "eigenvectors scaled": Case("fisher", cache_tensor("rows/eigenvectors", lambda t: t * 1.5), "are not orthonormal"),
-    "adversarial eigenvectors V(I + 50 e1 wT)": Case("fisher", cache_tensor("rows/eigenvectors", adversarial),
-                                                     "are not orthonormal (max |VᵀV − I| = "),
-    "transposed 2-D diagonal": Case("diagfisher", cache_tensor(K, lambda t: t.T), "is F32 [64, 32]; the format stores F32 [32, 64]"),
+    "adversarial eigenvectors V(I + 50 e1 wT)": Case(
+        "fisher", cache_tensor("rows/eigenvectors", adversarial), "are not orthonormal (max |VᵀV − I| = "
+    ),
+    "transposed 2-D diagonal": Case(
+        "diagfisher", cache_tensor(K, lambda t: t.T), "is F32 [64, 32]; the format stores F32 [32, 64]"
+    ),
 }
 
 
@@ -396,29 +477,63 @@ def drop_delta_tensor(folder: Path) -> Path:
 
 DELTA_CASES = {
     "manifest without weight": Case("delta", delta_manifest(lambda m: m.pop("weight")), "no `weight`", rho=0.0),
-    "manifest weight NaN": Case("delta", delta_manifest(lambda m: m.update(weight=float("nan"))),
-                                "`weight` is nan, not a finite number", rho=0.0),
+    "manifest weight NaN": Case(
+        "delta",
+        delta_manifest(lambda m: m.update(weight=float("nan"))),
+        "`weight` is nan, not a finite number",
+        rho=0.0,
+    ),
     "manifest weight true": Case("delta", delta_manifest(lambda m: m.update(weight=True)), "`weight` is bool", rho=0.0),
-    "manifest dtype float16": Case("delta", delta_manifest(lambda m: m.update(dtype="float16")), "`dtype` is 'float16'",
-                                   rho=0.0),
-    "manifest sampled_sha256 not a sha256": Case("delta", delta_manifest(lambda m: m["donor"].update(sampled_sha256="x")),
-                                                 "`donor.sampled_sha256` is not a sha256", rho=0.0),
-    "manifest donor_ft tensors differ": Case("delta", delta_manifest(lambda m: m["donor_ft"]["tensors"].pop(NORM)),
-                                             "`donor.tensors` and `donor_ft.tensors` differ", rho=0.0),
-    "manifest format_version 2": Case("delta", delta_manifest(lambda m: m.update(format_version=2)),
-                                      "format version 2 is not supported", rho=0.0),
-    "manifest nested 200k deep": Case("delta", lambda f: write(f / "delta_manifest.json", deep_json(
-        (f / "delta_manifest.json").read_text().rstrip()[:-1] + ', "deep": ')), "nested deeper than 32 levels", rho=0.0),
-    "stored F16, manifest float32": Case("delta", delta_tensor(NORM, lambda t: t.half()),
-                                         f"delta tensor '{NORM}' is stored as F16, but the manifest says float32", rho=0.0),
-    "NaN in a delta (merge kernel)": Case("delta", delta_tensor(DOWN, poke(float("nan"), 100)),
-                                          f"delta tensor '{DOWN}' contains NaN or Inf", rho=0.0),
-    "Inf in a delta (threshold pass)": Case("delta", delta_tensor(DOWN, poke(float("-inf"), 7)),
-                                            f"delta tensor '{DOWN}' contains NaN or Inf", rho=0.01),
-    "delta shard truncated": Case("delta", lambda f: write(f / SHARD_OF_DELTA, (f / SHARD_OF_DELTA).read_bytes()[:-3]),
-                                  "truncated or corrupt", rho=0.0),
-    "delta index puts a tensor in the wrong shard": Case("delta", delta_index(lambda i: i["weight_map"].update(
-        {NORM: "nowhere.safetensors"})), "lists missing shard(s) nowhere.safetensors", rho=0.0),
+    "manifest dtype float16": Case(
+        "delta", delta_manifest(lambda m: m.update(dtype="float16")), "`dtype` is 'float16'", rho=0.0
+    ),
+    "manifest sampled_sha256 not a sha256": Case(
+        "delta",
+        delta_manifest(lambda m: m["donor"].update(sampled_sha256="x")),
+        "`donor.sampled_sha256` is not a sha256",
+        rho=0.0,
+    ),
+    "manifest donor_ft tensors differ": Case(
+        "delta",
+        delta_manifest(lambda m: m["donor_ft"]["tensors"].pop(NORM)),
+        "`donor.tensors` and `donor_ft.tensors` differ",
+        rho=0.0,
+    ),
+    "manifest format_version 2": Case(
+        "delta", delta_manifest(lambda m: m.update(format_version=2)), "format version 2 is not supported", rho=0.0
+    ),
+    "manifest nested 200k deep": Case(
+        "delta",
+        lambda f: write(
+            f / "delta_manifest.json", deep_json((f / "delta_manifest.json").read_text().rstrip()[:-1] + ', "deep": ')
+        ),
+        "nested deeper than 32 levels",
+        rho=0.0,
+    ),
+    "stored F16, manifest float32": Case(
+        "delta",
+        delta_tensor(NORM, lambda t: t.half()),
+        f"delta tensor '{NORM}' is stored as F16, but the manifest says float32",
+        rho=0.0,
+    ),
+    "NaN in a delta (merge kernel)": Case(
+        "delta", delta_tensor(DOWN, poke(float("nan"), 100)), f"delta tensor '{DOWN}' contains NaN or Inf", rho=0.0
+    ),
+    "Inf in a delta (threshold pass)": Case(
+        "delta", delta_tensor(DOWN, poke(float("-inf"), 7)), f"delta tensor '{DOWN}' contains NaN or Inf", rho=0.01
+    ),
+    "delta shard truncated": Case(
+        "delta",
+        lambda f: write(f / SHARD_OF_DELTA, (f / SHARD_OF_DELTA).read_bytes()[:-3]),
+        "truncated or corrupt",
+        rho=0.0,
+    ),
+    "delta index puts a tensor in the wrong shard": Case(
+        "delta",
+        delta_index(lambda i: i["weight_map"].update({NORM: "nowhere.safetensors"})),
+        "lists missing shard(s) nowhere.safetensors",
+        rho=0.0,
+    ),
     "delta tensor missing": Case("delta", drop_delta_tensor, "its tensors do not match its manifest", rho=0.0),
 }
 
@@ -451,8 +566,6 @@ def case_config(case: Case, m: dict, bad: Path, pristine: dict) -> str:
     if case.artifact == "delta":
         return delta_yaml(m["post"], bad, case.rho, pristine["fisher"] if case.rho else None)
     return graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 1)], rho=case.rho, fisher=bad)
-
-
 
 
 @pytest.mark.parametrize("tool", ["mergekit-yaml", "graftmerge merge"])
@@ -595,7 +708,7 @@ PULL_CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(PULL_CASES))
-def test_a_pull_validates_what_it_fetched(hub, tmp_path, pristine, name):  # noqa: F811 - test_hub's fixture
+def test_a_pull_validates_what_it_fetched(hub, tmp_path, pristine, name):
     kind, case, fetched = PULL_CASES[name]
     local = tmp_path / "local"
     shutil.copytree(pristine["fisher" if kind == "fisher" else "delta"], local)
@@ -613,7 +726,7 @@ def test_a_pull_validates_what_it_fetched(hub, tmp_path, pristine, name):  # noq
         assert not any(d.endswith(".safetensors") for d in hub.downloads)
 
 
-def test_a_pull_into_the_hf_cache_is_refused_and_left_incomplete(hub, tmp_path, pristine, tied_models):  # noqa: F811
+def test_a_pull_into_the_hf_cache_is_refused_and_left_incomplete(hub, tmp_path, pristine, tied_models):
     local = tmp_path / "local"
     shutil.copytree(pristine["fisher"], local)
     FISHER_CASES["diagonal NaN"].corrupt(local)
@@ -623,7 +736,7 @@ def test_a_pull_into_the_hf_cache_is_refused_and_left_incomplete(hub, tmp_path, 
     assert not (snapshot / "fisher_manifest.json").exists()  # not a complete copy: nothing resolves to it
 
 
-def test_a_good_pull_passes_and_an_adversarial_basis_is_caught_at_merge(hub, tmp_path, pristine, tied_models):  # noqa: F811
+def test_a_good_pull_passes_and_an_adversarial_basis_is_caught_at_merge(hub, tmp_path, pristine, tied_models):
     """Pulls check headers, manifest, dtypes, shapes and finite values; orthonormality is checked when read."""
     assert pull("fisher", "acme/good", "-o", tmp_path / "x").exit_code != 0  # no such repo yet
     stranger_repo(hub, "acme/good", pristine["fisher"])

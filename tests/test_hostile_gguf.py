@@ -20,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIN, read_model, run_cli, tree_digest
+
+from tests.helpers.models import read_model, tree_digest
+from tests.helpers.runners import BIN, run_cli
 
 PEAK_RSS_LIMIT_MB = 1024
 SECONDS_LIMIT = 60  # a refusal takes a few seconds (most of it importing torch); generous for a busy machine
@@ -124,7 +126,9 @@ def hostile(kind: str, root: Path) -> tuple[Path, str]:
     if kind == "huge tensor count":
         return gguf_file(path, [arch], tensor_count=2**40), "claims 1099511627776 tensors"
     if kind == "many tensors in few bytes":
-        return gguf_file(path, [arch], tensor_count=60_000), "the header's 60000 tensors (at least 33 bytes each) would take"
+        return gguf_file(
+            path, [arch], tensor_count=60_000
+        ), "the header's 60000 tensors (at least 33 bytes each) would take"
     if kind == "huge key count":
         return gguf_file(path, [arch], kv_count=2**50), "claims 1125899906842624 metadata keys"
     if kind == "huge dims":
@@ -137,7 +141,10 @@ def hostile(kind: str, root: Path) -> tuple[Path, str]:
         info = tensor_info("token_embd.weight", (WIDTH, VOCAB), 2**40)
         return gguf_file(path, [arch], [info], b"\0" * 64), "ends past the end"
     if kind == "overlapping tensors":
-        infos = [tensor_info("token_embd.weight", (WIDTH, VOCAB), 0), tensor_info("blk.0.attn_norm.weight", (WIDTH,), 1024)]
+        infos = [
+            tensor_info("token_embd.weight", (WIDTH, VOCAB), 0),
+            tensor_info("blk.0.attn_norm.weight", (WIDTH,), 1024),
+        ]
         return gguf_file(path, [arch], infos, b"\0" * (WIDTH * VOCAB * 4)), "overlap"
     if kind == "llama with no tensors":
         return gguf_file(path, [arch]), "no token embedding"
@@ -159,11 +166,24 @@ def hostile(kind: str, root: Path) -> tuple[Path, str]:
 
 
 HOSTILE = [
-    "huge key length", "huge string length", "huge array count", "huge string array", "nested arrays", "huge tensor count",
-    "many tensors in few bytes", "huge key count", "huge dims", "too many dims", "tensor offset past EOF",
-    "overlapping tensors", "llama with no tensors", "100 layers, tensors for 1",
-    "a 10-billion-parameter config over tiny tensors", "width not the embedding's",
-    "a vocabulary far larger than its model", "more tokens than embedding rows",
+    "huge key length",
+    "huge string length",
+    "huge array count",
+    "huge string array",
+    "nested arrays",
+    "huge tensor count",
+    "many tensors in few bytes",
+    "huge key count",
+    "huge dims",
+    "too many dims",
+    "tensor offset past EOF",
+    "overlapping tensors",
+    "llama with no tensors",
+    "100 layers, tensors for 1",
+    "a 10-billion-parameter config over tiny tensors",
+    "width not the embedding's",
+    "a vocabulary far larger than its model",
+    "more tokens than embedding rows",
 ]
 
 # Runs COMMAND as its only child; reports exit status, stderr, seconds and the child's peak RSS.

@@ -1,7 +1,7 @@
 """Artifacts from strangers: nothing pulled can run code, escape its folder, or follow a planted link.
 
 Through the real CLI (click's runner on ``graftmerge.cli.main``, and real ``graftmerge``
-processes), against test_hub's fake Hub behind huggingface_hub's own client. Every
+processes), against the fake Hub of tests/helpers/fake_hub.py behind huggingface_hub's own client. Every
 refusal is one ``error: ...`` line with exit status 2, and the test folder's tree is
 compared before and after: nothing appears outside the intended folders, nothing
 half-written in ``-o``.
@@ -12,77 +12,32 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import BIN
-from test_estimate_support import make_model, random_rollouts, write_jsonl
-from test_hub import (  # noqa: F401 - `hub` is a fixture
-    REPO,
-    hub,
-    offline,
-    place_in_hf_cache,
-    write_sharded_cache,
-)
 
 from graftmerge.cli import main
 from graftmerge.errors import GraftError
 from graftmerge.formats.fisher_cache import open_fisher_cache
-from graftmerge.hub.artifacts import resolve_artifact
 from graftmerge.hub.kinds import FISHER
 from graftmerge.hub.models import cached_model_folder
+from graftmerge.hub.pull import resolve_artifact
 from graftmerge.hub.references import HubReference, hub_reference_or_none, parse_hub_reference
 from graftmerge.hub.untrusted import without_remote_code
+from tests.helpers.estimation import make_model, random_rollouts, write_jsonl
+from tests.helpers.fake_hub import REPO, offline, place_in_hf_cache
+from tests.helpers.fisher_caches import write_sharded_cache
+from tests.helpers.models import tree
+from tests.helpers.runners import BIN, REMOTE_CODE_PROMPT, cli, refused
 
-REMOTE_CODE_PROMPT = "Do you wish to run the custom code"
+pytestmark = pytest.mark.usefixtures("plain_argv")  # pytest's own flags must not reach report_errors' -v
 
 
 @pytest.fixture
-def fake(hub):  # noqa: F811 - test_hub's fixture, under a name that does not shadow the import
-    """test_hub's FakeHub, online, behind huggingface_hub's client, with a temporary HF cache."""
+def fake(hub):
+    """The FakeHub (the ``hub`` fixture), online, behind huggingface_hub's client, with a temporary HF cache."""
     return hub
-
-
-@pytest.fixture(autouse=True)
-def plain_argv(monkeypatch):
-    """report_errors looks at the command's own -v; pytest's flags must not leak into sys.argv."""
-    monkeypatch.setattr(sys, "argv", ["graftmerge"])
-
-
-def cli(*args: str):
-    """``graftmerge ARGS`` in this process, push and pull without progress bars; stdin is empty."""
-    quiet = ["-q"] if args[1:2] in (("pull",), ("push",)) and "-q" not in args else []
-    return CliRunner().invoke(main, [*map(str, args), *quiet], input="")
-
-
-def refused(result) -> str:
-    """The CLI's contract for bad input: exit 2, one ``error: ...`` line on stderr, no traceback."""
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
-    assert result.exit_code == 2, (result.output, result.stderr)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output + result.stderr
-    assert REMOTE_CODE_PROMPT not in result.output + result.stderr
-    return lines[0]
-
-
-def tree(root: Path, skip: Path | None = None) -> dict[str, tuple[str, str]]:
-    """Every entry under ``root`` (links not followed): relative path → (kind, link target or size)."""
-    found = {}
-    for folder, folders, files in os.walk(root, followlinks=False):
-        for name in [*folders, *files]:
-            path = Path(folder) / name
-            if skip is not None and (path == skip or skip in path.parents):
-                continue
-            if path.is_symlink():
-                found[str(path.relative_to(root))] = ("link", os.readlink(path))
-            elif path.is_dir():
-                found[str(path.relative_to(root))] = ("dir", "")
-            else:
-                found[str(path.relative_to(root))] = ("file", str(path.stat().st_size))
-    return found
 
 
 def pushed_cache(fake, tmp_path: Path, tied_models, repo: str = REPO) -> Path:
@@ -192,7 +147,9 @@ def test_a_fisher_manifest_naming_a_bad_file_is_refused_before_use(fake, tmp_pat
     assert fake.downloads == ["fisher_manifest.json"]  # read to plan; nothing named in it was fetched
 
 
-@pytest.mark.parametrize("name", ["../../escape.safetensors", "x\x00.safetensors", "modeling_evil.py", "/abs.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["../../escape.safetensors", "x\x00.safetensors", "modeling_evil.py", "/abs.safetensors"]
+)
 def test_a_delta_index_naming_a_bad_file_is_refused_before_use(fake, tmp_path, name):
     manifest = {"format": "graftmerge.delta", "format_version": 1}
     index = {"metadata": {}, "weight_map": {"w": name}}

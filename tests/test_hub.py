@@ -1,249 +1,49 @@
 """Sharing Fisher caches (and deltas) on the Hub, offline: a fake Hub behind huggingface_hub's own client.
 
-``FakeHub`` answers the HTTP calls huggingface_hub makes (create repo/branch, tree
+``FakeHub`` (tests/helpers/fake_hub.py) answers the HTTP calls huggingface_hub makes (create repo/branch, tree
 listing, preupload, commit, HEAD/GET of files) through an ``httpx2.MockTransport``, so
 push and pull run the real client code; merges run the stock ``mergekit-yaml`` (and
-``graftmerge merge``) click commands in this process (conftest.run_cli), reading a
+``graftmerge merge``) click commands in this process (tests.helpers.runners.run_cli), reading a
 temporary HF cache offline.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
-import re
 from pathlib import Path
 
-import httpx2
 import pytest
 import torch
 import yaml
-from click.testing import CliRunner
-from conftest import graft_yaml, one_line_error, read_model, run_cli, spd
 from safetensors import safe_open
 
 from graftmerge.cli.hub import delta_pull, delta_push, fisher_pull, fisher_push
 from graftmerge.errors import GraftError
-from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
+from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.hub.references import HubReference, hub_reference_or_none, parse_hub_reference
 from graftmerge.pipeline.graft_plan import resolve_fisher_folder
-
-SHARD_BYTES = 40_000  # tiny shards: a tiny model's cache spans many files
-REPO = "acme/tiny-fisher"
-
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fake_hub import REPO, offline, place_in_hf_cache
+from tests.helpers.fisher_caches import write_sharded_cache
+from tests.helpers.models import read_model
+from tests.helpers.runners import invoke, one_line_error, run_cli
 
 # -- a fake Hub -----------------------------------------------------------------------
-
-
-def _git_blob(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-class FakeHub:
-    """Repos with branches and commits in memory, served the way the Hub's HTTP API serves them.
-
-    ``.safetensors`` files are listed and served as LFS files (sha256 oid), the rest as
-    regular git blobs. ``commits`` logs every commit (paths added and deleted);
-    ``downloads`` every file body served. ``fail_commit`` / ``fail_download`` inject a
-    dropped connection / a server error.
-    """
-
-    def __init__(self) -> None:
-        self.branches: dict[str, dict[str, str]] = {}  # repo -> branch -> commit
-        self.trees: dict[str, dict[str, bytes]] = {}  # commit -> path -> content
-        self.commits: list[dict] = []
-        self.downloads: list[str] = []
-        self.fail_commit: int | None = None  # the n-th commit from now drops the connection
-        self.fail_download: set[str] = set()
-        self.visibility: dict[str, str | None] = {}
-
-    # state helpers
-    def new_commit(self, repo: str, branch: str, tree: dict[str, bytes], message: str, added=(), deleted=()) -> str:
-        sha = hashlib.sha1(f"{repo}{branch}{len(self.commits)}{message}".encode()).hexdigest()
-        self.trees[sha] = dict(tree)
-        self.branches[repo][branch] = sha
-        self.commits.append({"repo": repo, "branch": branch, "message": message,
-                             "added": list(added), "deleted": list(deleted)})
-        return sha
-
-    def files(self, repo: str, revision: str = "main") -> dict[str, bytes]:
-        return self.trees[self.branches[repo][revision]]
-
-    def uploaded(self) -> list[str]:
-        return [path for commit in self.commits for path in commit["added"]]
-
-    # HTTP
-    @staticmethod
-    def _error(status: int, code: str | None, commit: str | None = None) -> httpx2.Response:
-        headers = {"X-Error-Code": code} if code else {}
-        if commit:
-            headers["X-Repo-Commit"] = commit
-        return httpx2.Response(status, headers=headers, json={"error": code or "error"})
-
-    def _resolve(self, repo: str, revision: str) -> str | httpx2.Response:
-        if repo not in self.branches:
-            return self._error(404, "RepoNotFound")
-        if revision in self.branches[repo]:
-            return self.branches[repo][revision]
-        if revision in self.trees:
-            return revision
-        return self._error(404, "RevisionNotFound")
-
-    def handle(self, request: httpx2.Request) -> httpx2.Response:
-        path = request.url.path
-        if request.method == "POST" and path == "/api/repos/create":
-            body = json.loads(request.content)
-            repo = f"{body['organization']}/{body['name']}"
-            if repo in self.branches:
-                return httpx2.Response(409, json={"error": "exists", "url": f"https://huggingface.co/{repo}"})
-            self.branches[repo] = {}
-            self.visibility[repo] = body.get("visibility")
-            self.new_commit(repo, "main", {".gitattributes": b"*.safetensors filter=lfs\n"}, "initial commit")
-            return httpx2.Response(200, json={"url": f"https://huggingface.co/{repo}"})
-        if request.method == "POST" and path == "/api/validate-yaml":
-            yaml.safe_load(json.loads(request.content)["content"].split("---")[1])  # front matter parses
-            return httpx2.Response(200, json={})
-        match = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(branch|tree|preupload|commit|revision)/([^/]+)(/.*)?", path)
-        if match:
-            repo, action, revision = match.group(1), match.group(2), match.group(3)
-            if action == "branch":
-                if repo not in self.branches:
-                    return self._error(404, "RepoNotFound")
-                if revision in self.branches[repo]:
-                    return httpx2.Response(409, json={"error": "branch exists"})
-                self.branches[repo][revision] = self.branches[repo]["main"]
-                return httpx2.Response(200, json={})
-            commit = self._resolve(repo, revision)
-            if isinstance(commit, httpx2.Response):
-                return commit
-            tree = self.trees[commit]
-            if action == "tree":
-                return httpx2.Response(200, json=[self._listing(p, data) for p, data in sorted(tree.items())])
-            if action == "revision":
-                return httpx2.Response(200, json={"id": repo, "sha": commit, "siblings": [{"rfilename": p} for p in tree]})
-            if action == "preupload":
-                files = json.loads(request.content)["files"]
-                return httpx2.Response(200, json={"files": [
-                    {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None} for f in files
-                ]})
-            return self._commit(request, repo, revision, dict(tree))
-        match = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
-        if match and request.method in ("HEAD", "GET"):
-            repo, revision, name = match.groups()
-            commit = self._resolve(repo, revision)
-            if isinstance(commit, httpx2.Response):
-                return commit
-            if name not in self.trees[commit]:
-                return self._error(404, "EntryNotFound", commit)
-            data = self.trees[commit][name]
-            headers = {"X-Repo-Commit": commit, "ETag": f'"{_git_blob(data)}"', "Content-Length": str(len(data))}
-            if name.endswith(".safetensors"):
-                headers |= {"X-Linked-Etag": f'"{hashlib.sha256(data).hexdigest()}"', "X-Linked-Size": str(len(data))}
-            if request.method == "HEAD":
-                return httpx2.Response(200, headers=headers)
-            if name in self.fail_download:
-                return self._error(500, None)
-            self.downloads.append(name)
-            return httpx2.Response(200, headers=headers, content=data)
-        raise AssertionError(f"the fake Hub does not serve {request.method} {request.url}")
-
-    @staticmethod
-    def _listing(path: str, data: bytes) -> dict:
-        entry = {"type": "file", "path": path, "size": len(data), "oid": _git_blob(data)}
-        if path.endswith(".safetensors"):
-            entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
-        return entry
-
-    def _commit(self, request: httpx2.Request, repo: str, branch: str, tree: dict[str, bytes]) -> httpx2.Response:
-        if self.fail_commit is not None:
-            self.fail_commit -= 1
-            if self.fail_commit == 0:
-                self.fail_commit = None
-                raise httpx2.ConnectError("connection dropped (injected)", request=request)
-        lines = [json.loads(line) for line in request.content.splitlines() if line.strip()]
-        added, deleted = [], []
-        for line in lines[1:]:
-            value = line["value"]
-            if line["key"] == "file":
-                tree[value["path"]] = base64.b64decode(value["content"])
-                added.append(value["path"])
-            elif line["key"] == "deletedFile":
-                del tree[value["path"]]
-                deleted.append(value["path"])
-            else:
-                raise AssertionError(f"unexpected commit operation {line['key']}")
-        sha = self.new_commit(repo, branch, tree, lines[0]["value"]["summary"], added, deleted)
-        return httpx2.Response(200, json={"commitUrl": f"https://huggingface.co/{repo}/commit/{sha}", "commitOid": sha})
-
-
-@pytest.fixture
-def hub(monkeypatch, tmp_path):
-    """A fresh FakeHub behind huggingface_hub's client, online, with a temporary HF cache."""
-    from huggingface_hub import constants, set_client_factory
-    from huggingface_hub.utils._http import default_client_factory, hf_request_event_hook
-
-    fake = FakeHub()
-    cache = tmp_path / "hf-cache"
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))  # for anything reading the environment, or a subprocess
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    set_client_factory(lambda: httpx2.Client(
-        transport=httpx2.MockTransport(fake.handle), event_hooks={"request": [hf_request_event_hook]},
-        follow_redirects=True,
-    ))
-    fake.cache = cache
-    yield fake
-    set_client_factory(default_client_factory)
-
-
-def offline(monkeypatch) -> None:
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-def invoke(command, *args: str):
-    return CliRunner().invoke(command, [*args, "-q"], catch_exceptions=False)
 
 
 # -- caches ---------------------------------------------------------------------------
 
 
-def write_sharded_cache(path: Path, post: Path, seed: int = 0, only=None, source: str | None = None) -> Path:
-    """KFAC for attention/MLP weights (input factors shared by size, so q/k/v share one), diagonal else.
-
-    ``only``: keep just the weights it accepts, with the same values (a cache "holding only
-    those weights"); small shards so the cache spans many files.
-    """
-    g = torch.Generator().manual_seed(seed)
-    shared: dict[int, torch.Tensor] = {}
-    estimator = {"kind": "both", "data": {"token_sha256": "ab" * 32, "rollouts_file_sha256": "cd" * 32},
-                 "batch_size": 4, "modules": ["*"]}
-    with FisherCacheWriter(path, model=post, source=source, estimator=estimator, max_shard_bytes=SHARD_BYTES,
-                           counts={"sequences": 16, "tokens": 2736, "completion_tokens": 2048}, overwrite=True) as w:
-        for name, info in sorted(Checkpoint(post).tensors.items()):
-            if len(info.shape) == 2 and "proj" in name:
-                Q = shared.setdefault(info.shape[1], spd(info.shape[1], g))
-                P = spd(info.shape[0], g) / 10
-                if only is None or only(name):
-                    w.add_kfac(name, P=P, Q=Q)
-            else:
-                values = torch.rand(info.shape, generator=g) ** 2
-                if only is None or only(name):
-                    w.add_diagonal(name, values)
-    return path
-
-
 @pytest.fixture(scope="module")
 def cache(tied_models, tmp_path_factory) -> Path:
-    return write_sharded_cache(tmp_path_factory.mktemp("hub") / "post-mixed", tied_models["post"], source="acme/tiny-post")
+    return write_sharded_cache(
+        tmp_path_factory.mktemp("hub") / "post-mixed", tied_models["post"], source="acme/tiny-post"
+    )
 
 
-def merge(tmp_path: Path, models, fisher: str, name: str, tool=("mergekit-yaml",), post=None, donor=None, ft=None) -> dict:
+def merge(
+    tmp_path: Path, models, fisher: str, name: str, tool=("mergekit-yaml",), post=None, donor=None, ft=None
+) -> dict:
     config = tmp_path / f"{name}.yml"
     config.write_text(graft_yaml(post or models["post"], donor or models["donor"], [(ft or models["donor_ft"], 0.8)],
                                  rho=0.05, fisher=fisher))
@@ -368,24 +168,9 @@ def test_push_pull_merge_equals_the_local_cache(hub, cache, tied_models, tmp_pat
     assert_same_model(local, via_ids)
 
 
-def place_in_hf_cache(cache: Path, repo_id: str, folder: Path, branch: str = "main") -> str:
-    """A model folder laid out as the HF cache keeps a download: blobs, refs/<branch>, snapshots/<commit>."""
-    storage = cache / ("models--" + repo_id.replace("/", "--"))
-    commit = hashlib.sha1(repo_id.encode()).hexdigest()
-    snapshot = storage / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (storage / "blobs").mkdir(exist_ok=True)
-    for file in sorted(folder.iterdir()):
-        data = file.read_bytes()
-        blob = storage / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
-    (storage / "refs").mkdir()
-    (storage / "refs" / branch).write_text(commit)
-    return commit
-
-
-def test_partial_pull_fetches_only_needed_shards_and_merges_like_a_smaller_cache(hub, cache, tied_models, tmp_path, monkeypatch):
+def test_partial_pull_fetches_only_needed_shards_and_merges_like_a_smaller_cache(
+    hub, cache, tied_models, tmp_path, monkeypatch
+):
     assert invoke(fisher_push, str(cache), REPO).exit_code == 0
     wanted = lambda name: ".layers.1.self_attn." in name or name == "model.norm.weight"  # noqa: E731
     out = tmp_path / "partial"
@@ -479,7 +264,9 @@ def test_pull_bad_inputs_say_what_to_do(hub, cache, tmp_path, monkeypatch):
     offline(monkeypatch)
     message = one_line_error(invoke(fisher_pull, "acme/never-pulled@v3"))
     assert "not in the local Hugging Face cache" in message and "graftmerge fisher pull acme/never-pulled@v3" in message
-    with pytest.raises(GraftError, match=r"not a local folder.*graftmerge fisher pull acme/never-pulled@v3.*\./acme/never-pulled@v3"):
+    with pytest.raises(
+        GraftError, match=r"not a local folder.*graftmerge fisher pull acme/never-pulled@v3.*\./acme/never-pulled@v3"
+    ):
         resolve_fisher_folder("acme/never-pulled@v3")
 
 

@@ -28,17 +28,6 @@ import httpx2
 import pytest
 import torch
 import yaml
-from conftest import (
-    assert_identical,
-    brute_force_graft,
-    graft_yaml,
-    mergekit_yaml_model,
-    read_model,
-    run_cli,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
 from mergekit.config import MergeConfiguration
 from mergekit.merge_methods import merge_state_dicts
 from mergekit.options import MergeOptions
@@ -47,9 +36,14 @@ from graftmerge.adapter import import_hook
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import open_fisher_cache
-from graftmerge.hub.artifacts import pull_artifact
 from graftmerge.hub.kinds import FISHER
+from graftmerge.hub.pull import pull_artifact
 from graftmerge.testing.tiny_models import save_tiny_model
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import assert_identical, read_model, tree_digest
+from tests.helpers.references import brute_force_graft
+from tests.helpers.runners import mergekit_yaml_model, run_cli
 
 Q0, Q1, O1 = (f"model.layers.{i}.self_attn.{p}_proj.weight" for i, p in ((0, "q"), (1, "q"), (1, "o")))
 
@@ -59,7 +53,9 @@ def lines_of(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.strip() and "it/s]" not in line and "?it/s" not in line]
 
 
-def refused_everywhere(tmp_path: Path, config: str, watched: list[Path], *expected: str, cwd: Path | None = None) -> str:
+def refused_everywhere(
+    tmp_path: Path, config: str, watched: list[Path], *expected: str, cwd: Path | None = None
+) -> str:
     """``config`` through mergekit-yaml, graftmerge merge and run_merge: refused cleanly, every time; the line."""
     (tmp_path / "graft.yml").write_text(config)
     before = [tree_digest(p) for p in watched]
@@ -81,7 +77,9 @@ def refused_everywhere(tmp_path: Path, config: str, watched: list[Path], *expect
     os.chdir(cwd or previous)
     try:
         with pytest.raises(GraftError) as raised:
-            run_merge(MergeConfiguration.model_validate(yaml.safe_load(config)), str(out), options=MergeOptions(quiet=True))
+            run_merge(
+                MergeConfiguration.model_validate(yaml.safe_load(config)), str(out), options=MergeOptions(quiet=True)
+            )
     finally:
         os.chdir(previous)
     assert "\n" not in str(raised.value) and all(text in str(raised.value) for text in expected), raised.value
@@ -125,7 +123,9 @@ def test_donor_ft_that_is_the_donor_under_another_spelling_is_refused(tmp_path, 
 def test_two_donor_fts_that_are_one_folder_are_refused(tmp_path, tied_models):
     m = tied_models
     (tmp_path / "ft-link").symlink_to(m["donor_ft"])
-    config = models_yaml(m["post"], [(m["donor"], "donor"), (m["donor_ft"], "donor_ft"), (tmp_path / "ft-link", "donor_ft")])
+    config = models_yaml(
+        m["post"], [(m["donor"], "donor"), (m["donor_ft"], "donor_ft"), (tmp_path / "ft-link", "donor_ft")]
+    )
     refused_everywhere(tmp_path, config, [m["post"], m["donor"], m["donor_ft"]],
                        f"model {tmp_path / 'ft-link'} (donor_ft)", f"model {m['donor_ft']} (donor_ft)", "same folder")
 
@@ -183,7 +183,9 @@ def test_one_lora_adapter_given_twice_is_refused(tmp_path, tied_models, second):
     ``BASE+ADAPTER`` or alone as a delta, would add its update twice."""
     m = tied_models
     adapter = tmp_path / "adapter"
-    made = run_cli("graftmerge", "delta", "extract", str(m["donor"]), str(m["donor_ft"]), "--rank", "4", "-o", str(adapter))
+    made = run_cli(
+        "graftmerge", "delta", "extract", str(m["donor"]), str(m["donor_ft"]), "--rank", "4", "-o", str(adapter)
+    )
     assert made.returncode == 0, made.stderr[-2000:]
     (tmp_path / "adapter-link").symlink_to(adapter)
     again = f"{m['donor']}+{tmp_path / 'adapter-link'}" if second == "donor_ft" else str(tmp_path / "adapter-link")
@@ -337,8 +339,11 @@ class HostileHub:
         revision, name = request.url.path[len(prefix):].split("/", 1)
         assert revision in ("main", COMMIT), revision
         data = self.files[name]
-        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha1(b"blob %d" % len(data) + bytes(1) + data).hexdigest()}"',
-                   "Content-Length": str(len(data))}
+        headers = {
+            "X-Repo-Commit": COMMIT,
+            "ETag": f'"{hashlib.sha1(b"blob %d" % len(data) + bytes(1) + data).hexdigest()}"',
+            "Content-Length": str(len(data)),
+        }
         if name.endswith(".safetensors"):
             headers |= {"X-Linked-Etag": f'"{hashlib.sha256(data).hexdigest()}"', "X-Linked-Size": str(len(data))}
         for header, value in self.headers.get(name, {}).items():  # None: the header is not sent
@@ -407,7 +412,9 @@ def test_a_hostile_etag_writes_nothing_outside_the_cache(tmp_path, hostile_hub, 
     new = {p for p in everything_under(tmp_path) - before if not p.startswith("deep/er/hf-cache")}
     assert new == set(), new  # nothing beside the cache: no blob, .incomplete or .lock escaped
     assert not any("escaped" in p for p in everything_under(tmp_path) - before)
-    assert not list((hostile_hub.cache / f"models--{REPO.replace('/', '--')}").glob(f"snapshots/{COMMIT}/*.safetensors"))
+    assert not list(
+        (hostile_hub.cache / f"models--{REPO.replace('/', '--')}").glob(f"snapshots/{COMMIT}/*.safetensors")
+    )
 
 
 def test_a_blob_that_does_not_match_its_hash_is_removed(tmp_path, hostile_hub):
@@ -422,7 +429,12 @@ def test_a_blob_that_does_not_match_its_hash_is_removed(tmp_path, hostile_hub):
     lines = lines_of(result)
     assert len(lines) == 1 and "does not match the Hub's hash" in lines[0], result.stderr
     assert not out.exists()
-    blob = hostile_hub.cache / f"models--{REPO.replace('/', '--')}" / "blobs" / hashlib.sha256(hostile_hub.files[shard]).hexdigest()
+    blob = (
+        hostile_hub.cache
+        / f"models--{REPO.replace('/', '--')}"
+        / "blobs"
+        / hashlib.sha256(hostile_hub.files[shard]).hexdigest()
+    )
     assert not blob.exists()
 
 

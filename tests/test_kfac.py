@@ -1,5 +1,5 @@
 """KFAC eigenbasis masks: against the dense Fisher they approximate, the diagonal
-special case, the SPEC §2 laws, a mixed global ranking through mergekit-yaml,
+special case, the laws of docs/math.md#laws-the-masks-satisfy, a mixed global ranking through mergekit-yaml,
 and a cache estimated by `graftmerge fisher estimate` driving real grafts."""
 
 from __future__ import annotations
@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import brute_force_graft, graft_yaml, read_model, run_cli, spd, write_mixed_cache
 
 from graftmerge.formats.fisher_cache import KfacFactors, open_fisher_cache
 from graftmerge.math.projection import TensorFisher, remove_masked, score_delta
 from graftmerge.math.selection import masked_count, top_k_mask
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import spd, write_mixed_cache
+from tests.helpers.models import read_model
+from tests.helpers.references import brute_force_graft
+from tests.helpers.runners import run_cli
 
 
 def eigen_factors(P: torch.Tensor, Q: torch.Tensor) -> KfacFactors:
@@ -149,7 +153,9 @@ def test_estimated_cache_drives_kfac_and_diagonal_grafts(tmp_path, tied_models):
         diagonal_applied = outputs["diagonal"][name] - post[name]
         if fisher.has(name, "diagonal"):
             diagonal = fisher.diagonal(name)
-            assert float((diagonal * diagonal_applied.square()).sum()) <= float((diagonal * full.square()).sum()) * (1 + 1e-5)
+            assert float((diagonal * diagonal_applied.square()).sum()) <= float((diagonal * full.square()).sum()) * (
+                1 + 1e-5
+            )
     name = "model.layers.0.mlp.down_proj.weight"
     assert fisher.representation(name) == "kfac"
     f = fisher.kfac(name)

@@ -16,20 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from click.testing import CliRunner
-from conftest import (
-    assert_identical,
-    brute_force_graft,
-    mergekit_yaml_model,
-    one_line_error,
-    read_model,
-    run_cli,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 
@@ -37,63 +25,25 @@ from graftmerge.adapter import import_hook
 from graftmerge.cli import main
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.formats.lora_adapter import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    open_lora_adapter,
-    open_lora_delta,
-)
+from graftmerge.formats.lora_adapter import CONFIG_NAME, WEIGHTS_NAME, open_lora_adapter
+from graftmerge.formats.lora_sources import open_lora_delta
 from graftmerge.math import projection
 from graftmerge.math.low_rank import low_rank_rotate
 from graftmerge.math.scores import kfac_rotate
 from graftmerge.pipeline.lora_inputs import lora_delta_state_dict
-from graftmerge.testing.tiny_models import ARCHITECTURES, make_graft_inputs, save_tiny_model
-
-PREFIX = "base_model.model."
-
-
-def load_model(folder: Path, architecture: str):
-    return getattr(transformers, ARCHITECTURES[architecture][1]).from_pretrained(folder, dtype=torch.float32)
-
-
-def make_adapter(base: Path, out: Path, architecture: str = "qwen3", seed: int = 1, **config) -> Path:
-    """A PEFT LoRA of ``base`` with random (non-zero) A and B, saved by PEFT."""
-    model = get_peft_model(load_model(base, architecture), LoraConfig(**config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
-    model.save_pretrained(out)
-    return out
+from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model
+from tests.helpers.configs import graft_config
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.lora import PREFIX, load_model, make_adapter, peft_deltas
+from tests.helpers.models import assert_identical, read_model, tree_digest
+from tests.helpers.references import brute_force_graft
+from tests.helpers.runners import mergekit_yaml_model, one_line_error, run_cli
 
 
 def merge_with_peft(base: Path, adapter: Path, out: Path, architecture: str = "qwen3") -> Path:
     """The adapter merged into a float32 base by PEFT's merge_and_unload(), saved as a model folder."""
     PeftModel.from_pretrained(load_model(base, architecture), adapter).merge_and_unload().save_pretrained(out)
     return out
-
-
-def peft_deltas(base: Path, adapter: Path, architecture: str = "qwen3") -> dict[str, torch.Tensor]:
-    """PEFT's get_delta_weight of every LoRA layer, keyed by the model's parameter name."""
-    model = PeftModel.from_pretrained(load_model(base, architecture), adapter)
-    return {
-        name.removeprefix(PREFIX) + ".weight": module.get_delta_weight("default").detach()
-        for name, module in model.named_modules() if isinstance(module, LoraLayer)
-    }
-
-
-def graft_config(post: Path, entries: list[tuple[str, str, float | None]], *, lam: float = 1.0, rho: float = 0.0,
-                 fisher: Path | None = None, scope: str = "global", mask: str | None = None) -> str:
-    models = ""
-    for model, role, weight in entries:
-        weight_text = "" if weight is None else f", weight: {weight}"
-        models += f"  - model: {model}\n    parameters: {{role: {role}{weight_text}}}\n"
-    parameters = f"  lambda: {lam}\n  rho: {rho}\n  rho_scope: {scope}\n"
-    parameters += f"  fisher: {fisher}\n" if fisher else ""
-    parameters += f"  mask: {mask}\n" if mask else ""
-    return (f"merge_method: graft\nbase_model: {post}\nmodels:\n{models}parameters:\n{parameters}"
-            "dtype: float32\nout_dtype: float32\n")
 
 
 def invoke(*args):
@@ -442,7 +392,7 @@ def test_which_modules_an_adapter_may_adapt_is_peft_s_own_rule(tmp_path):
     layers_to_transform / layers_pattern / exclude_modules: graftmerge and PEFT agree."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    from graftmerge.formats.lora_adapter import check_adapter_config, peft_adapts
+    from graftmerge.formats.peft_rules import check_adapter_config, peft_adapts
 
     names = list(EXTRA_MODULE_NAMES)
     for architecture in ("qwen3", "gpt2"):

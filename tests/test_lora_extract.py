@@ -21,13 +21,6 @@ import pytest
 import torch
 import transformers
 from click.testing import CliRunner
-from conftest import (
-    assert_identical,
-    mergekit_yaml_model,
-    one_line_error,
-    read_model,
-    write_diagonal_cache,
-)
 from peft import PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -39,6 +32,9 @@ from graftmerge.formats.lora_adapter import CONFIG_NAME, WEIGHTS_NAME, open_lora
 from graftmerge.formats.lora_writer import LORA_MANIFEST_NAME
 from graftmerge.pipeline import delta_extract
 from graftmerge.testing.tiny_models import ARCHITECTURES, make_graft_inputs
+from tests.helpers.fisher_caches import write_diagonal_cache
+from tests.helpers.models import assert_identical, read_model
+from tests.helpers.runners import mergekit_yaml_model, one_line_error
 
 PREFIX = "base_model.model."
 # architecture -> model options: tied Llama and Qwen3, Qwen2 with q/k/v biases and an untied lm_head,
@@ -270,7 +266,9 @@ def test_bad_rank_is_one_line_and_writes_nothing(tmp_path, zoo, rank):
 def test_bad_rank_options_and_inputs(tmp_path, zoo):
     paths = zoo("qwen3")
     args = ("delta", "extract", paths["donor"], paths["donor_ft"], "-o", tmp_path / "lora")
-    assert "--shard-size does not apply with --rank" in one_line_error(invoke(*args, "--rank", 2, "--shard-size", "1GB"))
+    assert "--shard-size does not apply with --rank" in one_line_error(
+        invoke(*args, "--rank", 2, "--shard-size", "1GB")
+    )
     assert "--no-embeddings goes with --rank" in one_line_error(invoke(*args, "--no-embeddings"))
     with pytest.raises(GraftError, match="--rank must be a positive integer"):
         delta_extract.extract_lora(paths["donor"], paths["donor_ft"], tmp_path / "lora", rank=True)

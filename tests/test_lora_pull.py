@@ -4,7 +4,7 @@ A stranger's adapter repo holds far more than the adapter (a pickle of it, base 
 code, a card); the pull takes exactly ``adapter_config.json`` and
 ``adapter_model.safetensors``, checks the config field by field before the weights are
 fetched, and validates the weights as a graft opens them before ``-o`` is published or the
-cached snapshot counts as complete. Against test_hub's fake Hub behind huggingface_hub's
+cached snapshot counts as complete. Against the fake Hub of tests/helpers/fake_hub.py behind huggingface_hub's
 own client; grafts from the pulled adapter equal grafts from the local folder bit for bit.
 """
 
@@ -17,25 +17,29 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_identical, mergekit_yaml_model, read_model, run_cli
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
-from test_hostile_hub import cli, plain_argv, refused, tree  # noqa: F401 - plain_argv is an autouse fixture
-from test_hub import hub, offline, place_in_hf_cache  # noqa: F401 - hub is a fixture
-from test_lora import graft_config, load_model, make_adapter, peft_deltas
 
 from graftmerge.errors import GraftError
-from graftmerge.hub.artifacts import pull_first_kind, push_artifact
 from graftmerge.hub.kinds import DELTA_KINDS, LORA_ADAPTER
+from graftmerge.hub.pull import pull_first_kind
+from graftmerge.hub.push import push_artifact
 from graftmerge.testing.tiny_models import make_graft_inputs
+from tests.helpers.configs import graft_config
+from tests.helpers.fake_hub import offline, place_in_hf_cache
+from tests.helpers.lora import load_model, make_adapter, peft_deltas
+from tests.helpers.models import assert_identical, read_model, tree
+from tests.helpers.runners import cli, mergekit_yaml_model, refused, run_cli
+
+pytestmark = pytest.mark.usefixtures("plain_argv")  # pytest's own flags must not reach report_errors' -v
 
 REPO = "acme/tiny-lora"
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
 
 
 @pytest.fixture
-def fake(hub):  # noqa: F811 - test_hub's fixture, under a name that does not shadow the import
-    """test_hub's FakeHub, online, behind huggingface_hub's client, with a temporary HF cache."""
+def fake(hub):
+    """The FakeHub (the ``hub`` fixture), online, behind huggingface_hub's client, with a temporary HF cache."""
     return hub
 
 

@@ -17,14 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import mergekit_yaml_model, read_model, run_cli
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
-from test_lora import graft_config
 from transformers import AutoModelForCausalLM
 
 from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
 from graftmerge.testing.smollm2 import smollm2_gguf
+from tests.helpers.configs import graft_config
+from tests.helpers.models import read_model
+from tests.helpers.runners import mergekit_yaml_model, run_cli
 
 GGUF = smollm2_gguf()
 pytestmark = [

@@ -2,7 +2,7 @@
 
 That is SFT + merge + mask through the same code and the same Fisher as a graft (the
 control that separates "an earlier donor" from "a mask", issue 16). Checked against the
-whole-model brute force of conftest, through the stock mergekit-yaml, graftmerge merge,
+whole-model brute force of tests.helpers.references, through the stock mergekit-yaml, graftmerge merge,
 sweep and merge_state_dicts.
 """
 
@@ -12,19 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    assert_identical,
-    brute_force_graft,
-    graft_yaml,
-    mergekit_yaml_model,
-    read_model,
-    run_cli,
-    write_mixed_cache,
-)
 from mergekit.merge_methods import merge_state_dicts
 
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.testing.tiny_models import save_tiny_model
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_mixed_cache
+from tests.helpers.models import assert_identical, read_model
+from tests.helpers.references import brute_force_graft
+from tests.helpers.runners import mergekit_yaml_model, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +66,9 @@ def test_graftmerge_merge_and_sweep_take_the_post_as_donor(tmp_path, tied_models
     config = tmp_path / "g.yml"
     config.write_text(graft_yaml(post, post, [(sft, 1.0)], rho=0.01, fisher=tied_diag_cache))
     assert run_cli("graftmerge", "merge", str(config), str(tmp_path / "merged")).returncode == 0
-    sweep = run_cli("graftmerge", "sweep", str(config), "-o", str(tmp_path / "grid"), "--lambda", "1.0", "--rho", "0.01")
+    sweep = run_cli(
+        "graftmerge", "sweep", str(config), "-o", str(tmp_path / "grid"), "--lambda", "1.0", "--rho", "0.01"
+    )
     assert sweep.returncode == 0, sweep.stderr[-2000:]
     (point,) = [p for p in (tmp_path / "grid").iterdir() if p.is_dir()]
     assert_identical(read_model(point), read_model(tmp_path / "merged"))

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import copy_model, graft_yaml, read_model, run_cli, tree_digest, write_diagonal_cache
 
 from graftmerge.errors import GraftError
 from graftmerge.formats import output_folder
@@ -28,9 +27,13 @@ from graftmerge.formats.output_folder import (
     check_not_inputs,
     lock_path,
 )
-from graftmerge.hub import artifacts
+from graftmerge.hub import pull
 from graftmerge.hub.kinds import FISHER
 from graftmerge.pipeline.delta_extract import extract_delta, extract_lora
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache
+from tests.helpers.models import copy_model, read_model, tree_digest
+from tests.helpers.runners import run_cli
 
 # -- fixtures and helpers ---------------------------------------------------------------
 
@@ -254,7 +257,7 @@ def test_pull_into_the_cache_folder_it_reads_is_refused(tmp_path, monkeypatch, t
     result = run_cli("graftmerge", "fisher", "pull", "org/fisher", "-o", str(out), "--overwrite")
     refused_as_input(result, str(out), "models--org--fisher")
     with pytest.raises(GraftError, match="Hugging Face cache folder of org/fisher"):
-        artifacts.pull_artifact(FISHER, "org/fisher", output=out, overwrite=True, cache_dir=cache)
+        pull.pull_artifact(FISHER, "org/fisher", output=out, overwrite=True, cache_dir=cache)
     assert snapshot(cache) == before
 
 

@@ -20,17 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import (
-    BIN,
-    graft_yaml,
-    read_model,
-    run_cli,
-    run_process,
-    tree_digest,
-    write_diagonal_cache,
-)
-from test_estimate_support import make_model, random_rollouts, write_jsonl
-from test_hub import REPO, hub, invoke, write_sharded_cache  # noqa: F401 - `hub` is a fixture
 
 from graftmerge.cli import main
 from graftmerge.cli.hub import fisher_pull, fisher_push
@@ -47,9 +36,15 @@ from graftmerge.formats.output_folder import (
     OutputFolder,
     lock_path,
 )
-from graftmerge.hub import artifacts
+from graftmerge.hub import pull
 from graftmerge.pipeline import delta_extract, sweep
 from graftmerge.testing.smollm2 import smollm2_gguf
+from tests.helpers.configs import graft_yaml
+from tests.helpers.estimation import make_model, random_rollouts, write_jsonl
+from tests.helpers.fake_hub import REPO
+from tests.helpers.fisher_caches import write_diagonal_cache, write_sharded_cache
+from tests.helpers.models import read_model, tree_digest
+from tests.helpers.runners import BIN, invoke, run_cli, run_process
 
 # -- helpers ----------------------------------------------------------------------------
 
@@ -545,8 +540,8 @@ def test_import_gguf_overwrite_refuses_a_link_and_keeps_the_old_folder_on_failur
 
 
 @pytest.fixture
-def fake(hub):  # noqa: F811 - test_hub's fixture, under a name that does not shadow the import
-    """test_hub's FakeHub, online, behind huggingface_hub's client, with a temporary HF cache."""
+def fake(hub):
+    """The FakeHub (the ``hub`` fixture), online, behind huggingface_hub's client, with a temporary HF cache."""
     return hub
 
 
@@ -555,17 +550,17 @@ def test_pull_overwrite_keeps_the_old_folder_on_failure_and_is_locked_out(fake, 
     cache = write_sharded_cache(tmp_path / "post-mixed", tied_models["post"], source="acme/tiny-post")
     assert invoke(fisher_push, str(cache), REPO).exit_code == 0
     out = write_folder(tmp_path / "pulled" / "out", {"fisher_manifest.json": "{}", "old.safetensors": "old"})
-    real_fill = artifacts.fill_folder
+    real_fill = pull.fill_folder
 
     def fill_then_fail(staging, *args):
         real_fill(staging, *args)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(artifacts, "fill_folder", fill_then_fail)
+    monkeypatch.setattr(pull, "fill_folder", fill_then_fail)
     with pytest.raises(OSError):
         invoke(fisher_pull, REPO, "-o", str(out), "--overwrite")
     assert contents(out) == {"fisher_manifest.json": "{}", "old.safetensors": "old"} and beside(out) == []
-    monkeypatch.setattr(artifacts, "fill_folder", real_fill)
+    monkeypatch.setattr(pull, "fill_folder", real_fill)
     holder = hold_lock(out)
     try:
         downloads = len(fake.downloads)

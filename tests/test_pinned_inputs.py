@@ -16,11 +16,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import BIN, copy_model, error_line, graft_yaml, run_cli, tree_digest
 
 from graftmerge.formats.checkpoint import Checkpoint, read_safetensors_layout
 from graftmerge.formats.output_folder import STOP_ENV
 from graftmerge.pipeline import graft, sweep
+from tests.helpers.configs import graft_yaml
+from tests.helpers.models import copy_model, tree_digest
+from tests.helpers.runners import BIN, error_line, run_cli
 
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 

@@ -13,15 +13,6 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import (
-    graft_yaml,
-    one_line_error,
-    read_model,
-    run_cli,
-    tree_digest,
-    write_diagonal_cache,
-    write_mixed_cache,
-)
 from mergekit.io.tensor_writer import TensorWriter
 from mergekit.options import MergeOptions
 
@@ -32,6 +23,10 @@ from graftmerge.pipeline import graft_plan
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
 from graftmerge.pipeline.plan import plan_report
 from graftmerge.pipeline.sweep import SpillingWriter
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
+from tests.helpers.models import read_model, tree_digest
+from tests.helpers.runners import one_line_error, run_cli
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -48,7 +43,7 @@ def caches(tied_models, tmp_path_factory) -> dict[str, Path]:
 
 
 def brute_scores(models, fine_tunes, cache_path, lam) -> tuple[list[str], dict[str, torch.Tensor]]:
-    """Every ranked direction's score, the whole model at once (SPEC §2), float32."""
+    """Every ranked direction's score, the whole model at once (docs/math.md#the-masks), float32."""
     donor = read_model(models["donor"])
     fts = [(read_model(path), weight) for path, weight in fine_tunes]
     cache = open_fisher_cache(cache_path)
@@ -88,7 +83,9 @@ def test_plan_equals_brute_force_for_every_rho(tied_models, caches, cache_kind):
         assert summary.k == k and summary.masked == int(chosen.sum()), summary.rho
         if k:
             assert summary.threshold == float(order.values[k - 1]), summary.rho
-        assert summary.removed_share == pytest.approx(float(flat[chosen].double().sum()) / total_mass, rel=1e-9, abs=1e-15)
+        assert summary.removed_share == pytest.approx(
+            float(flat[chosen].double().sum()) / total_mass, rel=1e-9, abs=1e-15
+        )
         for tensor, part, mask in zip(report.tensors, torch.split(flat, sizes), torch.split(chosen, sizes)):
             tally = tensor.tallies[summary.rho]
             assert tally.masked == int(mask.sum()), (summary.rho, tensor.name)
@@ -179,7 +176,9 @@ def test_sweep_outputs_equal_separate_mergekit_yaml_runs(tmp_path, tied_models, 
             written = yaml.safe_load((folder / "mergekit_config.yml").read_text())["parameters"]
             assert (written["lambda"], written["rho"]) == (lam, rho)
     # the grid really differs across λ and ρ (else equality would prove little)
-    outputs = {(lam, rho): read_model(tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}") for lam in lambdas for rho in rhos}
+    outputs = {
+        (lam, rho): read_model(tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}") for lam in lambdas for rho in rhos
+    }
     name = "model.layers.0.mlp.down_proj.weight"
     assert len({outputs[key][name].float().sum().item() for key in outputs}) == len(outputs)
     assert tree_digest(m["post"].parent) == before
@@ -241,7 +240,10 @@ def test_sweep_bounded_memory_paths_write_mergekit_yaml_folders_file_for_file(tm
         reference = run_graftmerge("mergekit-yaml", str(single), str(tmp_path / f"ref-{lam}"), "--out-shard-size", "8K",
                                    cache_dir=tmp_path / f"cache-{lam}")
         assert reference.returncode == 0, reference.stderr[-3000:]
-        got, expected = folder_bytes(tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}"), folder_bytes(tmp_path / f"ref-{lam}")
+        got, expected = (
+            folder_bytes(tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}"),
+            folder_bytes(tmp_path / f"ref-{lam}"),
+        )
         assert sum(name.endswith(".safetensors") for name in expected) > 3  # really several shards
         assert got.keys() == expected.keys()
         for name in expected:

@@ -9,16 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    assert_identical,
-    graft_yaml,
-    mergekit_yaml_model,
-    read_model,
-    write_mixed_cache,
-)
 from mergekit.merge_methods import merge_state_dicts, merge_tensors
 
 from graftmerge.errors import GraftError
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_mixed_cache
+from tests.helpers.models import assert_identical, read_model
+from tests.helpers.runners import mergekit_yaml_model
 
 
 @pytest.fixture(scope="module")

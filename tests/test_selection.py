@@ -8,16 +8,7 @@ import torch
 import graftmerge.math.global_threshold as gt
 from graftmerge.math.global_threshold import ThresholdSearch
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
-
-
-def brute_force_mask(scores: list[torch.Tensor], k: int) -> list[torch.Tensor]:
-    """The k largest positive scores of the concatenation, ties to earlier positions."""
-    flat = torch.cat([s.reshape(-1) for s in scores])
-    order = torch.sort(flat, descending=True, stable=True).indices[:k]
-    chosen = torch.zeros_like(flat, dtype=torch.bool)
-    chosen[order] = True
-    chosen &= flat > 0
-    return [c.reshape(s.shape) for c, s in zip(torch.split(chosen, [s.numel() for s in scores]), scores)]
+from tests.helpers.references import brute_force_mask, continuous_scores, tied_scores
 
 
 def streaming_mask(scores: dict[str, torch.Tensor], k: int, spill_limit: int = 1 << 26) -> dict[str, torch.Tensor]:
@@ -31,20 +22,6 @@ def streaming_mask(scores: dict[str, torch.Tensor], k: int, spill_limit: int = 1
             search.add_fine(name, block)
     result = search.result()
     return {n: mask_from_threshold(s, result.threshold, result.tie_quota.get(n, 0)) for n, s in scores.items()}
-
-
-def tied_scores(seed: int) -> dict[str, torch.Tensor]:
-    """Scores with heavy ties and zeros (small integers times a power of two)."""
-    generator = torch.Generator().manual_seed(seed)
-    shapes = {"a.weight": (7, 5), "b.bias": (11,), "c.weight": (4, 9), "d.weight": (3, 3, 2)}
-    return {n: torch.randint(0, 4, s, generator=generator).float() * 0.125 for n, s in shapes.items()}
-
-
-def continuous_scores(seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    shapes = {"a": (40, 30), "b": (64,), "c": (17, 23)}
-    return {n: torch.rand(s, generator=generator) ** 4 * 10 ** torch.randint(-8, 3, (1,), generator=generator).item()
-            for n, s in shapes.items()}
 
 
 @pytest.mark.parametrize("spill_limit", [1 << 26, 40, 0], ids=["kept", "partly-rescored", "all-rescored"])

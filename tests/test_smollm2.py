@@ -21,12 +21,14 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import graft_yaml, read_model, run_cli, run_process, tree_digest
 
 from graftmerge.cli import main
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.testing.smollm2 import smollm2_gguf
+from tests.helpers.configs import graft_yaml
+from tests.helpers.models import read_model, tree_digest
+from tests.helpers.runners import run_cli, run_process
 
 GGUF = smollm2_gguf()
 pytestmark = [
@@ -306,7 +308,9 @@ def test_rho_zero_graft_equals_task_arithmetic(smol, donors, tmp_path):
     assert a.keys() == b.keys() == read_model(post).keys()
     for name in a:
         x, y = a[name].float(), b[name].float()
-        ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(x.abs(), y.abs()).clamp_min(torch.finfo(torch.bfloat16).tiny)
+        ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(x.abs(), y.abs()).clamp_min(
+            torch.finfo(torch.bfloat16).tiny
+        )
         assert bool(((x - y).abs() <= ulp).all()), name
 
 

@@ -12,14 +12,6 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import (
-    brute_force_graft,
-    graft_yaml,
-    one_line_error,
-    read_model,
-    tree_digest,
-    write_mixed_cache,
-)
 
 from graftmerge.cli import main
 from graftmerge.errors import GraftError
@@ -33,6 +25,11 @@ from graftmerge.math.suggestion import (
     removed_share_knee,
 )
 from graftmerge.pipeline.suggest import mean_completion_tokens, suggest_graft
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_mixed_cache
+from tests.helpers.models import read_model, tree_digest
+from tests.helpers.references import brute_force_graft
+from tests.helpers.runners import one_line_error
 
 TINY = torch.finfo(torch.float32).tiny
 DECADES = [1e-5, 1e-4, 1e-3, 1e-2, 1e-1]  # x_norm = 0, 0.25, 0.5, 0.75, 1
@@ -189,12 +186,16 @@ def quadratic(fisher: dict[str, tuple], delta: dict[str, torch.Tensor]) -> float
     total = 0.0
     for n, entry in fisher.items():
         d = delta[n].double()
-        total += float((entry[1] * d * d).sum()) if entry[0] == "diagonal" else float(torch.trace(d.T @ entry[1] @ d @ entry[2]))
+        total += (
+            float((entry[1] * d * d).sum())
+            if entry[0] == "diagonal"
+            else float(torch.trace(d.T @ entry[1] @ d @ entry[2]))
+        )
     return total
 
 
 def brute_shares(models, weight: float, fisher: dict[str, tuple], rhos) -> list[float]:
-    """R(ρ) for every ρ: the whole model's scores at lambda 1, one stable sort, top ⌈ρ·D⌉ (SPEC §2)."""
+    """R(ρ) for every ρ: the whole model's scores at lambda 1, one stable sort, top ⌈ρ·D⌉ (docs/math.md#the-threshold)."""
     donor, ft = read_model(models["donor"]), read_model(models["donor_ft"])
     scores = []
     for n, entry in fisher.items():
@@ -245,7 +246,7 @@ def test_suggestion_equals_brute_force(tmp_path, tied_models, caches, cache_kind
     if cache_kind == "heavy":
         assert s.knee_found and 0 < s.rho < 0.5
 
-    # Δ'ᵀFΔ' at ρ*, lambda 1: graft with the conftest brute force, dense Fisher quadratic of (θ − θpost)
+    # Δ'ᵀFΔ' at ρ*, lambda 1: graft with the brute force of tests.helpers.references, dense Fisher quadratic of (θ − θpost)
     post = read_model(m["post"])
     grafted = brute_force_graft(m["post"], m["donor"], [(m["donor_ft"], weight)], caches[cache_kind], s.rho).expected
     delta_prime = {n: grafted[n].double() - post[n].double() for n in post}
@@ -290,7 +291,9 @@ def test_cli_prints_table_snippet_and_json(tmp_path, tied_models, caches):
     pasted = yaml.safe_load(config.read_text())
     pasted["parameters"] = snippet
     (tmp_path / "pasted.yml").write_text(yaml.safe_dump(pasted))
-    again = CliRunner().invoke(main, ["plan", str(tmp_path / "pasted.yml"), "--rho", repr(data["rho"]), "--no-progress"])
+    again = CliRunner().invoke(
+        main, ["plan", str(tmp_path / "pasted.yml"), "--rho", repr(data["rho"]), "--no-progress"]
+    )
     assert again.exit_code == 0, again.output
 
 

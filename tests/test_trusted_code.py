@@ -14,9 +14,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import copy_model, graft_yaml, run_cli, run_process, tree_digest
 
 from graftmerge.pipeline.delta_extract import extract_delta
+from tests.helpers.configs import graft_yaml
+from tests.helpers.models import copy_model, tree_digest
+from tests.helpers.runners import run_cli, run_process
 
 EVIL_MODULE = '''
 from pathlib import Path
@@ -139,7 +141,9 @@ def test_real_mergekit_yaml_with_trust_remote_code_does_not_run_a_donors_code(tm
     assert f"model {donor} (role donor)" in line and "auto_map" in line, line
     assert not any(tmp_path.rglob("MARKER")) and not (tmp_path / "merged").exists()
     # the planted module is real: once the config trusts the donor too, mergekit imports it
-    (tmp_path / "graft.yml").write_text(config.replace("  lambda:", f"  trust_remote_code: [{post}, {donor}]\n  lambda:"))
+    (tmp_path / "graft.yml").write_text(
+        config.replace("  lambda:", f"  trust_remote_code: [{post}, {donor}]\n  lambda:")
+    )
     run_process("mergekit-yaml", str(tmp_path / "graft.yml"), str(tmp_path / "trusted"), "--trust-remote-code",
                 timeout=300, env=modules)
     assert (donor / "MARKER").read_text() == "the donor's code ran"

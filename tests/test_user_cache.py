@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import copy_model, error_line, graft_yaml, read_model, run_cli, write_mixed_cache
 from safetensors.torch import load_file, save_file
 
 from graftmerge.errors import GraftError
@@ -27,6 +26,10 @@ from graftmerge.formats.fisher_cache import (
     unchanged_file_identity,
 )
 from graftmerge.formats.user_cache import PassedChecks, record_name
+from tests.helpers.configs import graft_yaml
+from tests.helpers.fisher_caches import write_mixed_cache
+from tests.helpers.models import copy_model, read_model
+from tests.helpers.runners import error_line, run_cli
 
 NOBODY = 65534
 

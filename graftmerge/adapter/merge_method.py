@@ -31,6 +31,8 @@ from mergekit.merge_methods.base import (
 
 from graftmerge.errors import GraftError, one_line_click_errors
 from graftmerge.formats.checkpoint import InMemoryCheckpoint
+from graftmerge.hub.models import resolve_model_folder
+from graftmerge.pipeline.config_files import check_yaml_documents, read_merge_config
 from graftmerge.pipeline.graft import (
     graft_in_memory,
     graft_tensor,
@@ -39,15 +41,7 @@ from graftmerge.pipeline.graft import (
     validated_plan,
     was_validated,
 )
-from graftmerge.pipeline.graft_plan import (
-    FineTune,
-    GraftInputs,
-    GraftPlan,
-    check_yaml_documents,
-    positional_roles,
-    read_merge_config,
-    resolve_model_folder,
-)
+from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan, positional_roles
 from graftmerge.pipeline.lora_inputs import InMemoryDelta
 
 PAPER_URL = "https://arxiv.org/abs/2610.05872"

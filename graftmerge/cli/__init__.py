@@ -113,12 +113,19 @@ MAIN_COMMANDS = {
                 "Suggest the config's rho and lambda before any evaluation (no model written)."),
     "delta": ("graftmerge.cli.delta", "delta",
               "Grafts as files: a delta Δ = weight·(θft − θdonor), like a LoRA adapter but full-rank."),
+    "eval": ("graftmerge.cli.eval", "eval_command",
+             "Score MODEL (a folder, or a Hub id in the local cache) on a tasks file, per task and role."),
     "import-gguf": ("graftmerge.cli.import_gguf", "import_gguf",
                     "Dequantize a GGUF causal LM (llama.cpp format) into a Hugging Face model folder."),
 }
 
 
-@click.group(cls=LazyGroup, lazy_commands=MAIN_COMMANDS, wrap_errors=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=LazyGroup,
+    lazy_commands=MAIN_COMMANDS,
+    wrap_errors=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.version_option(__version__, prog_name="graftmerge")
 def main() -> None:
     """Graft a fine-tuning delta learned on a donor checkpoint onto a post-trained model.
@@ -130,6 +137,7 @@ def main() -> None:
     graftmerge suggest graft.yml           propose rho (knee) and lambda (KL budget)
     graftmerge sweep graft.yml --lambda 0.5,1 --rho 0,0.01 -o DIR
                                            one model per (λ, ρ), inputs read once
+    graftmerge eval MODEL --tasks tasks.yml   score a model: per task, old and new roles
     graftmerge fisher estimate MODEL ...   estimate a retention Fisher cache
     graftmerge fisher compress CACHE -k K -o OUT   keep the top-K KFAC eigenvectors per side
     graftmerge delta extract DONOR FT -o D write a graft as a shareable folder

@@ -56,7 +56,8 @@ def fisher_compress(cache: str, rank: int, output: str, config_file: str | None,
     plan = None
     check_compress(cache, output, rank)
     if config_file:
-        from graftmerge.pipeline.graft_plan import GraftInputs, read_graft_config
+        from graftmerge.pipeline.config_files import read_graft_config
+        from graftmerge.pipeline.graft_plan import GraftInputs
 
         _, _, plan = read_graft_config(config_file)  # checked completely before anything is written
         GraftInputs.open(dataclasses.replace(plan, fisher=cache, rho=max(plan.rho, 0.5)))

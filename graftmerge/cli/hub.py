@@ -1,7 +1,7 @@
 """``graftmerge fisher push|pull`` and ``graftmerge delta push|pull``: thin click wrappers.
 
 One factory per direction, so a kind of artifact gets both commands from its
-:class:`~graftmerge.hub.artifacts.ArtifactKind` alone; ``delta pull`` takes either of
+:class:`~graftmerge.hub.artifact_kind.ArtifactKind` alone; ``delta pull`` takes either of
 two kinds (a graftmerge delta, a PEFT LoRA adapter), whichever the repo is.
 """
 
@@ -13,9 +13,11 @@ import click
 
 from graftmerge.cli import report_errors
 from graftmerge.formats.json_file import load_json_file
-from graftmerge.hub.artifacts import ArtifactKind, PullResult, pull_first_kind, push_artifact
+from graftmerge.hub.artifact_kind import ArtifactKind
 from graftmerge.hub.cards import human_bytes
 from graftmerge.hub.kinds import DELTA, DELTA_KINDS, FISHER, LORA_ADAPTER
+from graftmerge.hub.pull import PullResult, pull_first_kind
+from graftmerge.hub.push import push_artifact
 from graftmerge.hub.references import parse_hub_reference
 
 TOKEN_HELP = "Hub token (default: $HF_TOKEN, or the one saved by `hf auth login`)."
@@ -28,7 +30,9 @@ def push_command(kind: ArtifactKind, example: str) -> click.Command:
     @click.argument("path", type=click.Path(path_type=Path))
     @click.argument("repo_id")
     @click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
-    @click.option("--revision", metavar="BRANCH", default=None, help="Push to this branch (created if missing); default main.")
+    @click.option(
+        "--revision", metavar="BRANCH", default=None, help="Push to this branch (created if missing); default main."
+    )
     @click.option("--token", default=None, help=TOKEN_HELP)
     @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
     @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
@@ -113,8 +117,14 @@ def pull_command(kinds: ArtifactKind | tuple[ArtifactKind, ...], example: str) -
                  "The other weights are then grafted unmasked.",
         )(pull)
     named = f"`{kind.name}: org/name@rev`" if kind is FISHER else "`model: org/name@rev` (role: delta)"
-    adapters = (" From a PEFT LoRA repo only adapter_config.json (checked field by field first) and "
-                "adapter_model.safetensors are pulled: no base weights, no .bin, no code.") if LORA_ADAPTER in kinds else ""
+    adapters = (
+        (
+            " From a PEFT LoRA repo only adapter_config.json (checked field by field first) and "
+            "adapter_model.safetensors are pulled: no base weights, no .bin, no code."
+        )
+        if LORA_ADAPTER in kinds
+        else ""
+    )
     pull.help = (
         f"Download the {label} REPO_ID[@REV] (also hf://org/name@rev) into the Hugging Face cache.\n\n"
         f"Afterwards {named} in a merge config works offline (HF_HUB_OFFLINE=1). "

@@ -30,7 +30,7 @@ def merge(merge_options: MergeOptions, config_file: str, out_path: str, no_thres
     # lazy: after install(), so run_merge is the hook's wrapped one; mergekit's merge code skipped by --help
     from mergekit.merge import run_merge
 
-    from graftmerge.pipeline.graft_plan import read_merge_config
+    from graftmerge.pipeline.config_files import read_merge_config
     from graftmerge.pipeline.threshold_pass import threshold_cache_disabled
 
     merge_options.apply_global_options()

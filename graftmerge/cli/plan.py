@@ -39,7 +39,9 @@ def open_for_masks(plan, rhos: list[float]):
     from graftmerge.pipeline.graft_plan import GraftInputs
 
     if not plan.fisher:
-        raise GraftError("the config has no `fisher:` parameter; masks need a Fisher cache (see graftmerge fisher estimate)")
+        raise GraftError(
+            "the config has no `fisher:` parameter; masks need a Fisher cache (see graftmerge fisher estimate)"
+        )
     # Opening with a positive ρ opens and checks the cache; the ρ itself is not used.
     return GraftInputs.open(dataclasses.replace(plan, rho=max([*rhos, 0.5])))
 
@@ -69,7 +71,7 @@ def plan(config_file: str, rho_list: str, device: str, json_path: str | None, no
     graftmerge plan graft.yml --rho 0.01 --json plan.json
     """
     # lazy: the graft plan loads torch and mergekit; only when the command runs, so --help stays fast
-    from graftmerge.pipeline.graft_plan import read_graft_config
+    from graftmerge.pipeline.config_files import read_graft_config
     from graftmerge.pipeline.plan import format_report, plan_report, report_json
 
     rhos = parse_values(rho_list, "--rho", rho=True)

@@ -25,8 +25,13 @@ def parse_positive(text: str, option: str) -> float:
 
 @click.command("suggest")
 @click.argument("config_file", type=click.Path(dir_okay=False))
-@click.option("--rho-grid", "rho_grid", default=None, metavar="R1,R2,...",
-              help="Comma-separated ρ values, each in (0, 1), for the log grid [default: 1, 2, 5 per decade, 1e-5 … 0.5].")
+@click.option(
+    "--rho-grid",
+    "rho_grid",
+    default=None,
+    metavar="R1,R2,...",
+    help="Comma-separated ρ values, each in (0, 1), for the log grid [default: 1, 2, 5 per decade, 1e-5 … 0.5].",
+)
 @click.option("--kl-budget", default="0.05", show_default=True, metavar="NATS",
               help="κ: predicted per-token KL on the old task that λ may spend (nats/token).")
 @click.option("--max-lambda", default="1", show_default=True, metavar="L", help="Upper bound on the suggested λ.")

@@ -79,7 +79,7 @@ def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_l
     graftmerge sweep graft.yml --lambda 0.25,0.5,1 --rho 0,0.001,0.01 --eval tasks.yml -o chosen/
     """
     # lazy: the graft plan and the sweep load mergekit's merge code only when the command runs, so --help stays fast
-    from graftmerge.pipeline.graft_plan import read_graft_config
+    from graftmerge.pipeline.config_files import read_graft_config
     from graftmerge.pipeline.sweep import grid, run_sweep
 
     import_hook.install()

@@ -58,7 +58,9 @@ def build_model(size: ModelSize, vocab_size: int, seed: int) -> nn.Module:
 
 def load_model(folder: str | Path) -> nn.Module:
     """A saved model (or a merge output) back in float32, in eval mode, ready for :func:`score`."""
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, trust_remote_code=False
+    ).eval()
 
 
 def save_model(model: nn.Module, folder: str | Path) -> Path:

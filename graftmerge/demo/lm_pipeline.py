@@ -27,7 +27,8 @@ from typing import Any
 from tqdm import tqdm
 
 from graftmerge.demo.lm_evaluate import canonical_order, describe_seed, fisher_job, merge_part
-from graftmerge.demo.lm_report import plot_results, summarize
+from graftmerge.demo.lm_plots import plot_results
+from graftmerge.demo.lm_report import summarize
 from graftmerge.demo.lm_settings import FULL, QUICK, TINY, LmDemoSettings, Update, grid, updates
 from graftmerge.demo.lm_training import (
     one_thread,

@@ -33,6 +33,7 @@ def families(settings: LmDemoSettings) -> dict[str, Callable[[Point], bool]]:
     table = {"SFT": of("sft", raw=True), "SFT + merge": of("sft", unmasked=True), "SFT + merge + mask": of("sft")}
     for kind in settings.opsd:
         table[f"OPSD-{kind}"] = of(f"opsd-{kind}", raw=True)
+        table[f"OPSD-{kind} + merge"] = of(f"opsd-{kind}", unmasked=True)  # the paper's own OPSD baseline
         table[f"OPSD-{kind} + merge + mask"] = of(f"opsd-{kind}")
     for donor in settings.donors:
         table[f"graft@{donor}, no mask"] = of(f"graft@{donor}", unmasked=True)
@@ -91,6 +92,7 @@ def comparisons(settings: LmDemoSettings) -> list[tuple[str, str]]:
     """The paired comparisons reported: the graft against every other method, masks, donors."""
     pairs = [("graft", "SFT + merge + mask"), ("graft", "SFT + merge"), ("graft", "SFT")]
     pairs += [("graft", f"OPSD-{kind} + merge + mask") for kind in settings.opsd]
+    pairs += [("graft", f"OPSD-{kind} + merge") for kind in settings.opsd]
     pairs += [("graft", "graft, no mask"), ("SFT + merge + mask", "SFT + merge")]
     pairs += [(f"graft@{d}", "graft@end") for d in settings.donors if d != "end"]
     return pairs
@@ -240,51 +242,8 @@ VERDICT_LABELS = {
     "masked_beats_unmasked": "masked graft > unmasked:",
     "masked_sft_matches_graft": "masked SFT matches the graft (= not reproduced):",
 }
-COLOURS = {"SFT": "tab:orange", "OPSD": "tab:brown", "graft": "tab:red"}
-
-
-def _colour(name: str) -> str:
-    for prefix, colour in COLOURS.items():
-        if name.startswith(prefix):
-            return colour
-    return "tab:gray"
-
-
-def plot_results(results: dict[str, Any], root: Path) -> list[Path]:
-    """results.png (the validation grid, then the chosen points' test scores per τ) and compute.png."""
-    tolerances = list(results["chosen"])
-    figure = Figure(figsize=(5 * (1 + len(tolerances)), 4.5))
-    axes = figure.subplots(1, 1 + len(tolerances))
-    first = results["seeds"][min(results["seeds"])]
-    for family in sorted({p["family"] for p in first["points"]}):
-        points = [p for p in first["points"] if p["family"] == family]
-        axes[0].scatter([p["new_validation"] for p in points], [p["old_validation"] for p in points], s=8,
-                        label=family, alpha=0.6)
-    axes[0].set(title="every configuration, first seed (validation)", xlabel="new task", ylabel="old task A")
-    axes[0].legend(fontsize=6)
-    post = {score: spread([seed["models"]["post"][score] for seed in results["seeds"].values()])
-            for score in ("new_test", "old_test")}  # mean ± sd over seeds, like the chosen points
-    for axis, tolerance in zip(axes[1:], tolerances):
-        stayed = []
-        for name, row in results["chosen"][tolerance].items():
-            if all(p["family"] == "post" for p in row["per_seed"]):
-                stayed.append(name)
-                continue
-            axis.errorbar(row["new_test"]["mean"], row["old_test"]["mean"], xerr=row["new_test"]["sd"],
-                          yerr=row["old_test"]["sd"], fmt="s" if "no mask" in name else "o", color=_colour(name))
-            axis.annotate(name, (row["new_test"]["mean"], row["old_test"]["mean"]), fontsize=6)
-        axis.errorbar(post["new_test"]["mean"], post["old_test"]["mean"], xerr=post["new_test"]["sd"],
-                      yerr=post["old_test"]["sd"], fmt="*", markersize=12, color="black", label="θpost")
-        axis.set(title=f"chosen at old val ≥ θpost − {float(tolerance):g} (test, mean ± sd)", xlim=(0, 1.02),
-                 xlabel="new task (held-out phrasings)", ylabel="old task A")
-        axis.legend(fontsize=7, title=f"{len(stayed)} methods stayed at θpost" if stayed else None,
-                    title_fontsize=7)
-    figure.tight_layout()
-    figure.savefig(root / "results.png", dpi=110)
-    return [root / "results.png", _plot_compute(results, root / "compute.png")]
-
-
-def _plot_compute(results: dict[str, Any], path: Path) -> Path:
+def plot_compute(results: dict[str, Any], path: Path) -> Path:
+    """compute.png: wall per training step by kind (Fig. 8 left) and the top-1% F·Δ² shares (Fig. 8 right)."""
     figure = Figure(figsize=(10, 4))
     left, right = figure.subplots(1, 2)
     kinds = list(results["compute"])

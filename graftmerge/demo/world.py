@@ -153,8 +153,12 @@ class World:
     def reading(self, entity: str, relation: str, phrasing: int, chat: bool, rng: random.Random) -> Example:
         """An article about ``entity`` with values drawn afresh, then a question answered from it."""
         values = {r: rng.choice(choices) for r, choices in RELATIONS.items()}
-        return self.example(PHRASINGS[phrasing].format(r=relation, e=entity), ANSWER.format(r=relation, v=values[relation]),
-                            chat, article=self.article(entity, values, relation, rng))
+        return self.example(
+            PHRASINGS[phrasing].format(r=relation, e=entity),
+            ANSWER.format(r=relation, v=values[relation]),
+            chat,
+            article=self.article(entity, values, relation, rng),
+        )
 
     def digits(self, number: int) -> list[int]:
         """The digit list numbered ``number`` (0 ≤ number < 10 ** list_length)."""

@@ -401,7 +401,7 @@ class FisherAccumulator:
         )
 
     def means(self) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """(diagonal Fisher by name, (P, Q) by weight name) with the normalisations of SPEC §3."""
+        """(diagonal Fisher by name, (P, Q) by weight name) with the normalisations of docs/math.md#the-estimator."""
         if self.sequences == 0:
             raise GraftError("no sequences were accumulated")
         self._complete_factors()

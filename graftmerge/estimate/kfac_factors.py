@@ -1,4 +1,4 @@
-"""Sums behind the KFAC factors of SPEC §3, for one batch (pure tensor functions).
+"""Sums behind the KFAC factors (docs/math.md#the-estimator), for one batch (pure tensor functions).
 
 Layout: activations ``a`` are the layer input, (B, T, d_in); output gradients ``g`` are
 ∂L_n/∂h at the layer output, (B, T, d_out); ``rows`` (from :func:`token_rows`) are the

@@ -1,4 +1,4 @@
-"""The retention loss of SPEC §3: per-token-normalised NLL of completion tokens.
+"""The retention loss (docs/math.md#the-estimator): per-token-normalised NLL of completion tokens.
 
 Layout: ``logits`` (B, T, V) from a right-padded batch, ``input_ids`` (B, T), and
 ``completion_mask`` (B, T) true at completion-token positions. Each sequence's loss is

@@ -368,7 +368,7 @@ def _estimator_record(
         "tool": f"graftmerge {__version__}",
         "command": "graftmerge fisher estimate",
         "kind": settings.kind,
-        "loss": "per-token mean NLL of completion tokens, per sequence (SPEC §3)",
+        "loss": "per-token mean NLL of completion tokens, per sequence (graftmerge docs/math.md#the-estimator)",
         "diagonal": "mean over sequences of squared per-sequence gradients",
         "kfac": "Q = token mean of a aᵀ, P = sequence mean of token-summed g gᵀ",
         "kfac_diagonal_sides": accumulator.diagonal_sides(),

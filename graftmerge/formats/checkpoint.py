@@ -302,13 +302,17 @@ class Checkpoint(TensorSource):
         self.layouts: dict[Path, SafetensorsLayout] = {}  # every shard's checked header
         self._index_identity = _stat_identity(self.folder / INDEX_NAME)
         weight_map = self._weight_map()
-        files = sorted({self.folder / f for f in weight_map.values()}) if weight_map is not None else self._glob_shards()
+        files = (
+            sorted({self.folder / f for f in weight_map.values()}) if weight_map is not None else self._glob_shards()
+        )
         for file in files:
             self.layouts[file] = read_safetensors_layout(file)
             for name, info in self.layouts[file].tensors.items():
                 if name in self.tensors:
-                    raise GraftError(f"{self.label}: tensor {name!r} appears in two shards ({self.tensors[name].file.name}, "
-                                     f"{file.name})")
+                    raise GraftError(
+                        f"{self.label}: tensor {name!r} appears in two shards ({self.tensors[name].file.name}, "
+                        f"{file.name})"
+                    )
                 self.tensors[name] = info
         if weight_map is not None:
             self._check_index(weight_map)
@@ -421,9 +425,13 @@ def check_same_tensors(post: Checkpoint, others: list[Checkpoint]) -> None:
         if only_post or only_other:
             parts = []
             if only_post:
-                parts.append(f"missing from {other.label}: {', '.join(only_post[:5])}" + (" ..." if len(only_post) > 5 else ""))
+                parts.append(
+                    f"missing from {other.label}: {', '.join(only_post[:5])}" + (" ..." if len(only_post) > 5 else "")
+                )
             if only_other:
-                parts.append(f"only in {other.label}: {', '.join(only_other[:5])}" + (" ..." if len(only_other) > 5 else ""))
+                parts.append(
+                    f"only in {other.label}: {', '.join(only_other[:5])}" + (" ..." if len(only_other) > 5 else "")
+                )
             raise GraftError(f"tensors differ between {post.label} and {other.label} ({'; '.join(parts)})")
         for name, info in post.tensors.items():
             theirs = other.tensors[name]

@@ -42,14 +42,18 @@ from graftmerge.formats.json_file import load_json_file
 from graftmerge.formats.manifest_schema import check_fisher_manifest
 from graftmerge.formats.output_folder import NEW, OVERWRITE, Inputs, OutputFolder, check_not_inputs
 from graftmerge.formats.user_cache import PassedChecks
+from graftmerge.math.eigenbasis import (
+    ORTHONORMAL_TOLERANCE,
+    check_orthonormal,
+    clamp_eigenvalues,
+    symmetric_eigenbasis,
+)
 from graftmerge.math.kfac import KfacFactors
 
 FORMAT_NAME = "graftmerge.fisher"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "fisher_manifest.json"
 DEFAULT_SHARD_BYTES = 1 << 30
-ORTHONORMAL_TOLERANCE = 1e-3
-EIGENVALUE_TOLERANCE = 1e-6  # relative to the largest eigenvalue of the side
 
 
 def _check_values(tensor: torch.Tensor, where: str) -> None:
@@ -97,7 +101,11 @@ class FisherCacheWriter:
             raise GraftError(f"{self.path} already exists; pass overwrite=True (or --overwrite) to replace it")
         if isinstance(model, dict):  # another cache's ``model`` record (``fisher compress``)
             self._model_tensors = model["tensors"]
-            self.model_info = {**model, "source": source or model.get("source"), "revision": revision or model.get("revision")}
+            self.model_info = {
+                **model,
+                "source": source or model.get("source"),
+                "revision": revision or model.get("revision"),
+            }
         else:
             checkpoint = Checkpoint(model, label="post model")
             guessed_source, guessed_revision = hf_cache_origin(checkpoint.folder)
@@ -225,8 +233,7 @@ class FisherCacheWriter:
                 raise GraftError(f"KFAC factor {label} for {name!r} contains NaN or Inf")
             if factor.ndim == 1:
                 return None, factor
-            eigenvalues, eigenvectors = torch.linalg.eigh((factor + factor.T) / 2)
-            return eigenvectors, eigenvalues
+            return symmetric_eigenbasis(factor)
 
         return self._side_once(digest, name, side, f"KFAC factor {label} for {name!r}", decompose)
 
@@ -254,7 +261,9 @@ class FisherCacheWriter:
                 ORTHONORMAL_PASSED.add(orthonormal_digest(stored))  # a merge reading these bytes skips the Gram
             return vectors, values
 
-        return self._side_once("eigen:" + hasher.hexdigest(), name, side, f"KFAC eigenvalues {label} for {name!r}", checked)
+        return self._side_once(
+            "eigen:" + hasher.hexdigest(), name, side, f"KFAC eigenvalues {label} for {name!r}", checked
+        )
 
     def _side_once(self, digest: str, name: str, side: str, where: str, decompose) -> str:
         """Store one factor side once: a side identical to one stored before (same digest) shares its key.
@@ -263,11 +272,15 @@ class FisherCacheWriter:
         """
         if digest not in self._factor_by_digest:
             vectors, values = decompose()
-            values, clamped = _clamp_eigenvalues(values, where)
+            values, clamped = clamp_eigenvalues(values, where)
             self._clamped += clamped
             key = f"kfac/{name}/{side}"
             self._store(f"{key}/eigenvalues", values.to(torch.float32).contiguous())
-            record: dict[str, Any] = {"eigenvalues": f"{key}/eigenvalues", "size": int(values.shape[0]), "clamped": clamped}
+            record: dict[str, Any] = {
+                "eigenvalues": f"{key}/eigenvalues",
+                "size": int(values.shape[0]),
+                "clamped": clamped,
+            }
             if vectors is not None:
                 self._store(f"{key}/eigenvectors", vectors.to(torch.float32).contiguous())
                 record["eigenvectors"] = f"{key}/eigenvectors"
@@ -331,16 +344,6 @@ class FisherCacheWriter:
         self._closed = True
 
 
-def _clamp_eigenvalues(values: torch.Tensor, where: str) -> tuple[torch.Tensor, int]:
-    if not torch.isfinite(values).all():
-        raise GraftError(f"{where} contains NaN or Inf")
-    scale = max(float(values.abs().max()), 1e-30) if values.numel() else 1.0
-    if (values < -EIGENVALUE_TOLERANCE * scale).any():
-        raise GraftError(f"{where} has eigenvalue {float(values.min()):.3g} below zero (not positive semi-definite)")
-    negative = values < 0
-    return values.clamp_min(0), int(negative.sum())
-
-
 ORTHONORMAL_PASSED = PassedChecks("orthonormal")
 
 
@@ -380,26 +383,6 @@ def unchanged_file_identity(before: os.stat_result, after: os.stat_result, key: 
         return None
     label = f"graftmerge orthonormal file v1 {fields} {key!r} {ORTHONORMAL_TOLERANCE!r}"
     return hashlib.sha256(label.encode()).hexdigest()
-
-
-def check_orthonormal(vectors: torch.Tensor, where: str, tolerance: float = ORTHONORMAL_TOLERANCE) -> None:
-    """Columns of ``vectors`` must be orthonormal: max |VᵀV − I| over the whole Gram matrix ≤ ``tolerance``.
-
-    One matmul in float32, the precision caches store (its rounding, ~1e-6, is far below
-    the tolerance): O(d·r²) for ``d × r`` vectors, whose Gram matrix is ``r × r``. NaN or
-    Inf anywhere makes the Gram non-finite and is refused as such. Run when a cache is
-    written and when a read meets bytes that have not passed it before (``orthonormal_digest``).
-    """
-    if vectors.numel() == 0:
-        return
-    vectors = vectors.to(torch.float32)
-    gram = vectors.T @ vectors
-    gram.diagonal().sub_(1)
-    error = float(gram.abs_().max())
-    if not math.isfinite(error):
-        raise GraftError(f"{where} contain NaN or Inf")
-    if error > tolerance:
-        raise GraftError(f"{where} are not orthonormal (max |VᵀV − I| = {error:.2g} > {tolerance:g})")
 
 
 class FisherCache:
@@ -443,7 +426,9 @@ class FisherCache:
             file = self._files[key]
             info = self._layouts[file].tensors.get(key)
             if info is None:
-                raise GraftError(f"Fisher cache {self.path}: {file} has no tensor {key!r} (its manifest files it there)")
+                raise GraftError(
+                    f"Fisher cache {self.path}: {file} has no tensor {key!r} (its manifest files it there)"
+                )
             if info.dtype != "F32" or info.shape != shape:
                 raise GraftError(
                     f"Fisher cache {self.path}: tensor {key!r} in {file} is {info.dtype} {list(info.shape)}; "
@@ -533,12 +518,11 @@ class FisherCache:
         """The full orthonormality check, unless these very bytes already passed it (in this process or before).
 
         Keyed by :func:`orthonormal_digest` of the tensor as read (the bytes the merge then
-        uses): hashing 37 MB takes ~30 ms where the 3072 × 3072 Gram takes ~450 ms on two
-        cores, so a cache is checked in full once per machine, not once per merge
+        uses): hashing costs far less than the Gram, so a cache is checked in full once per
+        machine, not once per merge
         (``$GRAFTMERGE_CACHE_DIR/orthonormal/``, :class:`~graftmerge.formats.user_cache.PassedChecks`).
         Once they passed, the unchanged shard's ``identity`` (:func:`unchanged_file_identity`)
-        is recorded too, so later merges skip the hashing as well (1.8 GB of eigenvectors
-        hash in ~1 s).
+        is recorded too, so later merges skip the hashing as well.
         """
         if identity is not None and (identity in self._orthonormal or identity in ORTHONORMAL_PASSED):
             return

@@ -325,7 +325,9 @@ def _check_no_overlap(path: Path, tensors: tuple[GgufTensor, ...]) -> None:
             raise GraftError(f"{path}: the data of tensors {before.name!r} and {after.name!r} overlap ({HOSTILE})")
 
 
-def _check_arrays_fit_the_model(path: Path, arrays: dict[str, tuple[int, int]], tensors: tuple[GgufTensor, ...]) -> None:
+def _check_arrays_fit_the_model(
+    path: Path, arrays: dict[str, tuple[int, int]], tensors: tuple[GgufTensor, ...]
+) -> None:
     """GraftError when the metadata arrays are larger than the model's tensors justify (see STRINGS_FREE)."""
     values = sum(tensor.elements for tensor in tensors)
     strings = sum(count for element_type, count in arrays.values() if element_type == STRING)

@@ -206,7 +206,9 @@ def import_gguf(
     config = causal_lm_config(header)
     check_dequantizable(header)
     check_implied_model(header, config)
-    with staged_folder(out, overwrite=overwrite, inputs=[("GGUF file", header.path)]) as staging:  # out locked before the slow dequantization
+    with staged_folder(
+        out, overwrite=overwrite, inputs=[("GGUF file", header.path)]
+    ) as staging:  # out locked before the slow dequantization
         model = _load_model(header, DTYPES[dtype])
         tokenizer = _load_tokenizer(header) if header.has_tokenizer else None
         try:

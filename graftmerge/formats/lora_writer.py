@@ -17,7 +17,7 @@ loads it (no missing or unexpected keys) and ``merge_and_unload()`` adds ``B·A`
   modules, else full module names: PEFT then creates no layer without factors.
 
 ``lora_manifest.json`` (written by the pipeline, last) records the sources and what
-each tensor kept or lost; see docs/delta-tool.md.
+each tensor kept or lost; see docs/formats/delta-folder.md.
 """
 
 from __future__ import annotations
@@ -107,10 +107,15 @@ def model_layers(folder: str | Path, label: str) -> ModelLayers:
               if embedding is not None and getattr(module, "weight", None) is embedding.weight]
     tied = frozenset(name for name in shared if dict(model.named_modules())[name] is not embedding)
     return ModelLayers(
-        architecture=type(model).__name__, parent_library=type(model).__module__,
+        architecture=type(model).__name__,
+        parent_library=type(model).__module__,
         task_type="CAUSAL_LM" if type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else None,
-        prefix=getattr(model, "base_model_prefix", "") or "", modules=frozenset(n for n, _ in model.named_modules() if n),
-        kinds=kinds, embedding=next((n for n in shared if n not in tied), None), tied=tied)
+        prefix=getattr(model, "base_model_prefix", "") or "",
+        modules=frozenset(n for n, _ in model.named_modules() if n),
+        kinds=kinds,
+        embedding=next((n for n in shared if n not in tied), None),
+        tied=tied,
+    )
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,12 @@ def _factor_shapes(key: str, record: Any, where: str) -> dict[str, tuple[int, ..
     size = field(record, "size", int, where, f"{label}.size")
     values = field(record, "eigenvalues", str, where, f"{label}.eigenvalues")
     rank = record.get("rank", size)
-    if not is_count(size, 1) or not is_count(rank, 1) or rank > size or ("rank" in record and "eigenvectors" not in record):
+    if (
+        not is_count(size, 1)
+        or not is_count(rank, 1)
+        or rank > size
+        or ("rank" in record and "eigenvectors" not in record)
+    ):
         raise GraftError(f"{where}: corrupt manifest (`{label}` has size {_shown(size)}, rank {_shown(rank)})")
     if not is_count(record.get("clamped", 0)):
         raise GraftError(f"{where}: corrupt manifest (`{label}.clamped` is {_shown(record['clamped'])})")
@@ -165,7 +170,9 @@ def _entry_shapes(name: str, entry: Any, model_shapes: Mapping[str, tuple[int, .
     representation = field(entry, "representation", str, where, f"{label}.representation")
     extra = sorted(set(entry) - {"representation", *REPRESENTATIONS})
     if representation not in REPRESENTATIONS or representation not in entry or extra:
-        problem = f"unknown field {extra[0]!r}" if extra else f"representation {_shown(representation)} it does not hold"
+        problem = (
+            f"unknown field {extra[0]!r}" if extra else f"representation {_shown(representation)} it does not hold"
+        )
         raise GraftError(f"{where}: corrupt manifest (`{label}` has {problem})")
     if name not in model_shapes:
         raise GraftError(f"{where}: corrupt manifest (entry for {name!r}, which is not a tensor of `model.tensors`)")
@@ -249,7 +256,9 @@ def check_delta_manifest(manifest: dict[str, Any], where: str) -> dict[str, tupl
         raise GraftError(f"{where}: corrupt manifest (`weight` is {weight}, not a finite number)")
     dtype = field(manifest, "dtype", str, where, "dtype")
     if dtype not in DELTA_DTYPES:
-        raise GraftError(f"{where}: corrupt manifest (`dtype` is {_shown(dtype)}, not one of {', '.join(DELTA_DTYPES)})")
+        raise GraftError(
+            f"{where}: corrupt manifest (`dtype` is {_shown(dtype)}, not one of {', '.join(DELTA_DTYPES)})"
+        )
     shapes = {}
     for role in ("donor", "donor_ft"):
         record = field(manifest, role, dict, where, role)
@@ -263,7 +272,9 @@ def check_delta_manifest(manifest: dict[str, Any], where: str) -> dict[str, tupl
         shapes[role] = check_tensor_records(field(record, "tensors", dict, where, f"{role}.tensors"), where,
                                             f"{role}.tensors")
     if shapes["donor"] != shapes["donor_ft"]:
-        raise GraftError(f"{where}: corrupt manifest (`donor.tensors` and `donor_ft.tensors` differ in names or shapes)")
+        raise GraftError(
+            f"{where}: corrupt manifest (`donor.tensors` and `donor_ft.tensors` differ in names or shapes)"
+        )
     zeroed = manifest.get("non_floating_zeroed", [])
     if not isinstance(zeroed, list) or not all(isinstance(n, str) and n in shapes["donor"] for n in zeroed):
         raise GraftError(f"{where}: corrupt manifest (`non_floating_zeroed` is not a list of the donor's tensors)")

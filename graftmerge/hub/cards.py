@@ -81,7 +81,9 @@ def _metadata(base_model: str | None, tags: list[str]) -> dict[str, Any]:
     return metadata
 
 
-def render_fisher_card(manifest: Mapping[str, Any], repo_id: str, revision: str | None, file_sizes: Mapping[str, int]) -> str:
+def render_fisher_card(
+    manifest: Mapping[str, Any], repo_id: str, revision: str | None, file_sizes: Mapping[str, int]
+) -> str:
     """README.md of a Fisher cache repo: front matter, retention data, counts, sizes, usage."""
     model = manifest.get("model", {})
     entries: Mapping[str, Mapping[str, Any]] = manifest.get("entries", {})
@@ -159,7 +161,9 @@ def _fisher_usage(base_model: str | None, reference: str, entries: Mapping[str, 
     )
 
 
-def render_delta_card(manifest: Mapping[str, Any], repo_id: str, revision: str | None, file_sizes: Mapping[str, int]) -> str:
+def render_delta_card(
+    manifest: Mapping[str, Any], repo_id: str, revision: str | None, file_sizes: Mapping[str, int]
+) -> str:
     """README.md of a delta repo: front matter and a summary of the manifest's own records."""
     model = manifest.get("model", {}) if isinstance(manifest.get("model"), Mapping) else {}
     base_model = hub_model_id(model.get("source")) or hub_model_id(manifest.get("base_model"))

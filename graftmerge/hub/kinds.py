@@ -2,7 +2,7 @@
 
 A kind is a manifest file name, a local check, a model card and (optionally) a way to
 keep only some layers; everything else (resume, partial fetch, offline) is generic in
-:mod:`graftmerge.hub.artifacts`. A PEFT adapter repo is pulled as a kind whose manifest
+:mod:`graftmerge.hub.push` and :mod:`graftmerge.hub.pull`. A PEFT adapter repo is pulled as a kind whose manifest
 is ``adapter_config.json`` (checked field by field before the weights are fetched) and
 whose only data file is ``adapter_model.safetensors``: never base weights, pickles
 (``adapter_model.bin``) or code, whatever else the repo holds.
@@ -27,9 +27,10 @@ from graftmerge.formats.fisher_cache import FORMAT_VERSION as FISHER_VERSION
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.formats.lora_adapter import CONFIG_NAME as ADAPTER_CONFIG
 from graftmerge.formats.lora_adapter import WEIGHTS_NAME as ADAPTER_WEIGHTS
-from graftmerge.formats.lora_adapter import LoraAdapter, check_adapter_config, open_lora_adapter
+from graftmerge.formats.lora_adapter import LoraAdapter, open_lora_adapter
 from graftmerge.formats.manifest_schema import check_delta_manifest, check_fisher_manifest
-from graftmerge.hub.artifacts import ArtifactKind
+from graftmerge.formats.peft_rules import check_adapter_config
+from graftmerge.hub.artifact_kind import ArtifactKind
 from graftmerge.hub.cards import render_delta_card, render_fisher_card
 from graftmerge.math.finite import FLOAT32_MAX, largest_magnitude, product_bound
 
@@ -77,7 +78,9 @@ def select_fisher_layers(manifest: Mapping[str, Any], patterns: Sequence[str]) -
             f"--layers {' '.join(unmatched)} matches no weight with a Fisher entry "
             f"({len(entries)} weights have one, e.g. {examples})"
         )
-    chosen = {name: copy.deepcopy(dict(e)) for name, e in entries.items() if any(fnmatchcase(name, p) for p in patterns)}
+    chosen = {
+        name: copy.deepcopy(dict(e)) for name, e in entries.items() if any(fnmatchcase(name, p) for p in patterns)
+    }
     factor_keys = sorted({e["kfac"][side] for e in chosen.values() if "kfac" in e for side in ("rows", "columns")})
     factors = {key: manifest["factors"][key] for key in factor_keys}
     tensor_keys = {e["diagonal"]["key"] for e in chosen.values() if "diagonal" in e}

@@ -1,5 +1,8 @@
 """Hub-id models of a mergekit config, pointed at their local Hugging Face cache snapshots.
 
+:func:`resolve_model_folder` gives any model reference's local folder: the path itself,
+or its cached snapshot.
+
 mergekit resolves ``org/name`` by listing the repo on the Hub, which fails offline even
 when the checkpoint is cached; replacing each such reference by its snapshot folder
 before ``run_merge`` makes every merge method work from the cache.
@@ -80,3 +83,21 @@ def localize_models(config: Any) -> Any:
         return value
 
     return walk(config)
+
+
+def resolve_model_folder(path: str, revision: str | None = None) -> str:
+    """A local folder for a model reference: the path itself, or its snapshot in the HF cache (links checked)."""
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise GraftError(f"model {path} is a file; give the model's folder")
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") != 1
+    if not looks_local:
+        folder = cached_model_folder(path, revision)  # revision and planted links checked; offline: says what to get
+        if folder is not None:
+            return folder
+        raise GraftError(
+            f"model {path} is not a local folder and not in the local Hugging Face cache "
+            f"(download it first: `hf download {path}`)"
+        )
+    raise GraftError(f"model folder {path} does not exist")

@@ -8,5 +8,7 @@ projection        Δ' = Δ − masked part (diagonal, KFAC)
 mask_stats        per-ρ thresholds, masked counts and removed shares (plan, compress)
 delta_stats       norms and Fisher-weighted shares of a delta (delta stats)
 kfac              the KfacFactors value type
+eigenbasis        a factor's eigendecomposition, the eigenvalue clamp, the orthonormality check
 low_rank          Δ̃ = c·(UᵀL)(RV) for a low-rank Δ = c·L·R (a LoRA), without the dense Δ
+paired_tests      Student t, paired-t intervals, Holm, TOST (plain floats: an experiment's seeds)
 """

@@ -44,7 +44,9 @@ class MultiThresholdSearch:
         rhos = tuple(rhos)
         positive = [rho for rho in rhos if rho > 0]
         limit = _TOTAL_SPILL // (max(1, len(positive)) * max(1, sharing))
-        searches = {rho: ThresholdSearch(k=masked_count(rho, total), total=total, spill_limit=limit) for rho in positive}
+        searches = {
+            rho: ThresholdSearch(k=masked_count(rho, total), total=total, spill_limit=limit) for rho in positive
+        }
         return cls(rhos=rhos, total=total, searches=searches)
 
     def add_coarse(self, name: str, scores: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Remove the masked directions from a delta (SPEC §2). Pure tensor math.
+"""Remove the masked directions from a delta (docs/math.md#the-masks). Pure tensor math.
 
 Written as "Δ minus the masked part" so an empty mask returns Δ exactly and a
 basis holding only the leading eigenvectors still projects correctly.

@@ -1,4 +1,4 @@
-"""Sensitivity scores of a delta under a retention Fisher (SPEC §2). Pure tensor math.
+"""Sensitivity scores of a delta under a retention Fisher (docs/math.md#the-masks). Pure tensor math.
 
 Every direction k of Δ gets ``s_k = (Fisher eigenvalue along k) · (Δ along k)²``.
 Diagonal: directions are coordinates. KFAC: directions are the pairs ``u_i v_jᵀ``

@@ -6,7 +6,7 @@ removes, read on a log grid of ρ (Kneedle for a concave increasing curve).
 λ: the largest global ``lambda`` (at most ``λ_max``) whose predicted per-token KL on the
 old task stays within a budget κ. Why the prediction is ``(T̄/2)·λ²·Δ'ᵀFΔ'``:
 
-The retention Fisher of SPEC §3 is ``F = (1/N) Σ_n g_n g_nᵀ`` with
+The retention Fisher (docs/math.md#the-estimator) is ``F = (1/N) Σ_n g_n g_nᵀ`` with
 ``g_n = ∇L_n = −(1/T_n) Σ_t ∇log p(y_{n,t} | z_n, y_{n,<t})`` and completions sampled
 from θpost itself. Write ``e_t = ∇log p(y_t | prefix)``. Given the prefix, ``e_t`` has
 mean zero (the expected score of a model's own samples), and for ``t' < t`` the score
@@ -154,7 +154,9 @@ class LambdaChoice:
     bound: str
 
 
-def kl_budget_lambda(masked_quadratic: float, mean_tokens: float, budget: float, max_lambda: float = 1.0) -> LambdaChoice:
+def kl_budget_lambda(
+    masked_quadratic: float, mean_tokens: float, budget: float, max_lambda: float = 1.0
+) -> LambdaChoice:
     """``λ* = min(λ_max, sqrt(2κ / (T̄ · Δ'ᵀFΔ')))``: the largest λ whose predicted KL is within κ."""
     for label, value in (("KL budget", budget), ("max lambda", max_lambda), ("mean tokens", mean_tokens)):
         if not (math.isfinite(value) and value > 0):

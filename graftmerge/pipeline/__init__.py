@@ -1,6 +1,8 @@
 """The merge pipeline: a graft config in, a model (or a report) out.
 
-graft_plan        read and validate a config; open its inputs (GraftPlan, GraftInputs)
+config_files      merge config files read: YAML parsed, mergekit's schema checked, one-line errors
+graft_plan        validate a config; open its inputs (GraftPlan, GraftInputs)
+trusted_code      which inputs may run their own code (the trust_remote_code parameter)
 threshold_pass    the streaming pre-pass that finds the global ⌈ρ·D⌉-th score
 graft             the per-tensor kernel and the staged, validated merge around mergekit
 lora_inputs       LoRA adapters inside mergekit's graph (loaders, config view, low-rank Δ̃)

@@ -23,7 +23,8 @@ from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.delta_folder import DeltaFolder, open_delta
 from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache
-from graftmerge.formats.lora_adapter import LoraDelta, is_lora_adapter, open_lora_delta
+from graftmerge.formats.lora_adapter import is_lora_adapter
+from graftmerge.formats.lora_sources import LoraDelta, open_lora_delta
 from graftmerge.math.delta_stats import block_of, kfac_diagonal, l2_norm, natural_key, weighted_mass
 from graftmerge.math.global_threshold import ThresholdSearch
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
@@ -211,7 +212,9 @@ def format_table(stats: DeltaStats, tensors: bool = True) -> str:
         widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
         lines.append(title)
         for line in [header, *body]:
-            lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+            lines.append(
+                "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+            )
         lines.append("")
 
     if tensors:

@@ -84,7 +84,9 @@ def check_compress(source: str | Path, out: str | Path, rank: int) -> FisherCach
     check_not_inputs(out, [("Fisher cache", source)])
     cache = open_fisher_cache(source)
     if not cache.names("kfac"):
-        raise GraftError(f"Fisher cache {source} has no KFAC entries (kind {cache.kind}); only KFAC eigenbases can be compressed")
+        raise GraftError(
+            f"Fisher cache {source} has no KFAC entries (kind {cache.kind}); only KFAC eigenbases can be compressed"
+        )
     largest = _largest_side(cache)
     if largest == 0:
         raise GraftError(f"Fisher cache {source} has no KFAC side with eigenvectors (all sides are diagonal)")
@@ -213,7 +215,9 @@ def format_delta_report(reports: list[LayerReport], rho: float) -> str:
     masked = sum(r.full_masked for r in reports)
     if rho > 0:
         overlap = f"{100 * both / masked:.2f}%" if masked else "— (the full mask is empty)"
-        lines.append(f"whole model (every ranked direction): |M_compact ∩ M_full| / |M_full| = {overlap} ({both:,} of {masked:,})")
+        lines.append(
+            f"whole model (every ranked direction): |M_compact ∩ M_full| / |M_full| = {overlap} ({both:,} of {masked:,})"
+        )
     else:
         lines.append("mask overlap: the config's rho is 0 (no mask); set rho > 0 to compare masks")
     return "\n".join(lines)

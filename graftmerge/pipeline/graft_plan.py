@@ -7,20 +7,16 @@ questions: which dtype, which Fisher representation, which tensors are ranked.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import torch
-import yaml
 from mergekit.common import dtype_from_name
-from mergekit.config import MergeConfiguration
-from pydantic import ValidationError
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import (
@@ -32,19 +28,18 @@ from graftmerge.formats.checkpoint import (
 from graftmerge.formats.delta_folder import MANIFEST_NAME as DELTA_MANIFEST
 from graftmerge.formats.delta_folder import DeltaFolder, open_delta
 from graftmerge.formats.fisher_cache import FisherCache, open_fisher_cache, side_rank
-from graftmerge.formats.json_file import TOO_LONG_INTEGER
-from graftmerge.formats.lora_adapter import is_lora_adapter, open_lora_delta, open_lora_fine_tune
-from graftmerge.hub.artifacts import resolve_artifact
+from graftmerge.formats.lora_adapter import is_lora_adapter
+from graftmerge.formats.lora_sources import open_lora_delta, open_lora_fine_tune
 from graftmerge.hub.kinds import FISHER
-from graftmerge.hub.models import cached_model_folder
-from graftmerge.hub.untrusted import is_config_file, read_json_bytes, without_remote_code
+from graftmerge.hub.models import resolve_model_folder
+from graftmerge.hub.pull import resolve_artifact
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.projection import TensorFisher
+from graftmerge.pipeline.trusted_code import TRUST_PARAMETER, check_trusted_code
 
 ROLES = ("donor", "donor_ft")
 CONFIG_ROLES = (*ROLES, "delta")  # delta: a folder from `graftmerge delta extract`
 MODEL_PARAMETERS = ("role", "weight")
-TRUST_PARAMETER = "trust_remote_code"  # the inputs whose own code (config auto_map) may run
 GLOBAL_PARAMETERS = ("lambda", "rho", "fisher", "rho_scope", "mask", TRUST_PARAMETER)
 RHO_SCOPES = ("global", "tensor")
 MASK_KINDS = ("auto", "diagonal", "kfac")
@@ -113,24 +108,6 @@ class GraftPlan:
             raise GraftError(f"graft parameter mask must be one of {', '.join(MASK_KINDS)}, got {self.mask!r}")
         if self.rho > 0 and not self.fisher:
             raise GraftError("graft parameter rho > 0 needs `fisher: <Fisher cache folder>` (see graftmerge fisher estimate)")
-
-
-def resolve_model_folder(path: str, revision: str | None = None) -> str:
-    """A local folder for a model reference: the path itself, or its snapshot in the HF cache (links checked)."""
-    if os.path.isdir(path):
-        return path
-    if os.path.exists(path):
-        raise GraftError(f"model {path} is a file; give the model's folder")
-    looks_local = path.startswith((".", "/", "~")) or path.count("/") != 1
-    if not looks_local:
-        folder = cached_model_folder(path, revision)  # revision and planted links checked; offline: says what to get
-        if folder is not None:
-            return folder
-        raise GraftError(
-            f"model {path} is not a local folder and not in the local Hugging Face cache "
-            f"(download it first: `hf download {path}`)"
-        )
-    raise GraftError(f"model folder {path} does not exist")
 
 
 def resolve_fisher_folder(fisher: str) -> str:
@@ -462,82 +439,6 @@ def _number(value, label: str) -> float:
                          f"{len(str(abs(value)))} digits") from None
 
 
-def remote_code_fields(folder: str | os.PathLike) -> list[str]:
-    """``"config.json: auto_map"``... for each config file at the top of ``folder`` that names code to import."""
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return []
-    found = []
-    for name in names:
-        path = Path(folder, name)
-        if not is_config_file(name) or not path.is_file():
-            continue
-        try:
-            _, removed = without_remote_code(read_json_bytes(path, str(path)), str(path))
-        except GraftError:
-            continue  # not a JSON object: transformers cannot read code names from it either
-        found += [f"{name}: {field}" for field in removed]
-    return found
-
-
-def _config_inputs(config) -> list[tuple[str, str, str]]:
-    """(input as written in the config, a folder of it, what it is) for every folder, base_model first.
-
-    A ``BASE+ADAPTER`` reference has two folders, both listed under its label.
-    """
-    base = config.base_model.model
-    inputs = [(str(config.base_model), resolve_model_folder(base.path, base.revision), "base_model, the post model")]
-    for entry in config.models:
-        role = f"role {(entry.parameters or {}).get('role')}"
-        for part in (entry.model.model, entry.model.lora):
-            if part is not None:
-                inputs.append((str(entry.model), resolve_model_folder(part.path, part.revision), role))
-    return inputs
-
-
-def _trusted_inputs(config, inputs: list[tuple[str, str, str]]) -> set[str]:
-    """The inputs the graft parameter ``trust_remote_code`` names (by path as written, or the same folder)."""
-    value = dict(config.parameters or {}).get(TRUST_PARAMETER)
-    if value is None:
-        return set()
-    names = [value] if isinstance(value, str) else value
-    if not isinstance(names, list) or not all(isinstance(name, str) and name for name in names):
-        raise GraftError(f"graft parameter {TRUST_PARAMETER} lists the inputs whose own code may run, by their path "
-                         f"in this config (e.g. `{TRUST_PARAMETER}: [./post]`); got {value!r}")
-    trusted = set()
-    for name in names:
-        same = [label for label, folder, _ in inputs if name == label
-                or (os.path.isdir(name) and os.path.realpath(name) == os.path.realpath(folder))]
-        if not same:
-            raise GraftError(f"graft parameter {TRUST_PARAMETER} names {name!r}, which is not an input of this config "
-                             f"(its inputs: {', '.join(dict.fromkeys(label for label, _, _ in inputs))})")
-        trusted.update(same)
-    return trusted
-
-
-def check_trusted_code(config, plan: GraftPlan) -> GraftPlan:
-    """``plan``, once no input names code to run (``auto_map``, ``custom_pipelines``) unless the config trusts it.
-
-    mergekit's ``--trust-remote-code`` is one switch for every input: passed for your own
-    post model, it would also run whatever code a donor or a delta (perhaps from the Hub)
-    names. So a graft config lists the inputs whose code may run in the graft parameter
-    ``trust_remote_code``; any other input whose config files name code is refused here,
-    before mergekit reads a config.
-    """
-    inputs = _config_inputs(config)
-    trusted = _trusted_inputs(config, inputs)
-    for label, folder, what in inputs:
-        fields = remote_code_fields(folder)
-        if fields and label not in trusted:
-            raise GraftError(
-                f"model {label} ({what}): {', '.join(fields[:3])} names code for transformers to import, which "
-                f"--trust-remote-code would run; add `{TRUST_PARAMETER}: [{label}]` under the graft's `parameters:` "
-                "if you trust that model's code, or else remove the field from its config"
-            )
-    return plan
-
-
 def plan_from_merge_config(config) -> GraftPlan:
     """Validate a mergekit ``MergeConfiguration`` with ``merge_method: graft``; no tensor IO."""
     if config.slices or config.modules or not config.models:
@@ -644,47 +545,3 @@ def _with_implied_donor(donors: list[str], fine_tunes: list[FineTune], post) -> 
                              "the donor: a LoRA reference implies it)")
         donors = donors or [fine_tune.path]
     return donors
-
-
-@contextlib.contextmanager
-def config_file_errors(config_file: str) -> Iterator[None]:
-    """Reading or parsing ``config_file`` inside the block: any failure becomes one GraftError line naming it."""
-    try:
-        yield
-    except OSError as error:
-        raise GraftError(f"{config_file}: cannot read ({error.strerror})") from error
-    except yaml.YAMLError as error:
-        raise GraftError(f"{config_file}: not valid YAML ({str(error).splitlines()[0]})") from error
-    except (RecursionError, MemoryError) as error:
-        raise GraftError(f"{config_file}: not a valid merge config (nested too deeply or too large to read)") from error
-    except (ValidationError, RuntimeError) as error:
-        first = str(error).strip().splitlines()
-        raise GraftError(f"{config_file}: not a valid merge config ({' '.join(first[:3])})") from error
-    except UnicodeDecodeError as error:
-        raise GraftError(f"{config_file}: not a valid merge config (not UTF-8 text)") from error
-    except ValueError as error:  # yaml's int(): an integer past Python's int/str conversion limit
-        raise GraftError(f"{config_file}: not a valid merge config ({TOO_LONG_INTEGER})") from error
-
-
-def read_merge_config(config_file: str):
-    """(mergekit ``MergeConfiguration``, YAML text) of a config file; GraftError when unreadable."""
-    with config_file_errors(config_file):
-        with open(config_file, encoding="utf-8") as handle:
-            source = handle.read()
-        config = MergeConfiguration.model_validate(yaml.safe_load(source))
-    return config, source
-
-
-def check_yaml_documents(config_file: str) -> None:
-    """``config_file`` (a ``mergekit-multi`` file: several YAML documents) parses; GraftError naming it otherwise."""
-    with config_file_errors(config_file), open(config_file, encoding="utf-8") as handle:
-        for _ in yaml.safe_load_all(handle.read()):
-            pass
-
-
-def read_graft_config(config_file: str):
-    """(config, YAML text, validated GraftPlan) of a graft config; GraftError for any other method."""
-    config, source = read_merge_config(config_file)
-    if config.merge_method != "graft":
-        raise GraftError(f"{config_file}: merge_method is {config.merge_method!r}; this command needs a graft config")
-    return config, source, plan_from_merge_config(config)

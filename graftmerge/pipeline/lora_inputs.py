@@ -2,7 +2,7 @@
 
 mergekit loads every input of a config as a model folder, and merges a ``BASE+ADAPTER``
 reference by loading the whole model into transformers and PEFT (``ModelReference.merged``).
-graft needs neither: :mod:`graftmerge.formats.lora_adapter` reads an adapter as a tensor
+graft needs neither: :mod:`graftmerge.formats.lora_sources` reads an adapter as a tensor
 source. So before the merge, the config mergekit sees is rewritten and each LoRA input's
 loader is put into mergekit's ``LoaderCache``:
 
@@ -41,14 +41,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import InMemoryCheckpoint, TensorSource
-from graftmerge.formats.lora_adapter import (
-    WEIGHTS_NAME,
-    LoraDelta,
-    LoraFineTune,
-    bind_adapter,
-    check_float_model,
-    open_lora_state_dict,
-)
+from graftmerge.formats.lora_adapter import WEIGHTS_NAME, open_lora_state_dict
+from graftmerge.formats.lora_binding import bind_adapter, check_float_model
+from graftmerge.formats.lora_sources import LoraDelta, LoraFineTune
 from graftmerge.math.finite import all_finite
 from graftmerge.math.low_rank import low_rank_rotate
 from graftmerge.math.projection import ScoredDelta, TensorFisher, score_delta

@@ -28,7 +28,7 @@ from transformers import AutoConfig
 from graftmerge.errors import GraftError
 from graftmerge.formats.json_file import load_json_file
 from graftmerge.formats.lora_adapter import is_lora_adapter
-from graftmerge.pipeline.graft_plan import resolve_model_folder
+from graftmerge.hub.models import resolve_model_folder
 
 CONFIG_NAME = "config.json"
 
@@ -82,8 +82,10 @@ def read_input_architecture(label: str, folder: str, what: str, trust_remote_cod
     architectures = config.get("architectures") if isinstance(config, dict) else None
     architectures = [override] if override else architectures
     if not isinstance(architectures, list) or len(architectures) != 1 or not isinstance(architectures[0], str):
-        raise GraftError(f"model {label} ({what}): {file} must name exactly one architecture in `architectures` "
-                         f"(as transformers writes it, e.g. [\"LlamaForCausalLM\"]); mergekit cannot merge it otherwise")
+        raise GraftError(
+            f"model {label} ({what}): {file} must name exactly one architecture in `architectures` "
+            f'(as transformers writes it, e.g. ["LlamaForCausalLM"]); mergekit cannot merge it otherwise'
+        )
     try:
         loaded = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         loaded.architectures = architectures

@@ -26,7 +26,8 @@ from graftmerge.math.suggestion import (
     remaining_mass,
     removed_share_knee,
 )
-from graftmerge.pipeline.graft_plan import GraftInputs, read_graft_config
+from graftmerge.pipeline.config_files import read_graft_config
+from graftmerge.pipeline.graft_plan import GraftInputs
 from graftmerge.pipeline.plan import plan_report
 
 DEFAULT_KL_BUDGET = 0.05  # nats per completion token on the old task
@@ -204,7 +205,11 @@ def format_suggestion(s: Suggestion) -> str:
         f"{'rho':>10}  {'R(rho)':>10}",
     ]
     for index, (rho, share) in enumerate(zip(s.rho_grid, s.removed_share)):
-        marker = "  <- knee" if index == s.knee_index and s.knee_found else ("  <- suggested" if index == s.knee_index else "")
+        marker = (
+            "  <- knee"
+            if index == s.knee_index and s.knee_found
+            else ("  <- suggested" if index == s.knee_index else "")
+        )
         lines.append(f"{rho:>10g}  {100 * share:>9.3f}%{marker}")
     lines += [
         "",

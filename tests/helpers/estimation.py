@@ -1,5 +1,5 @@
-"""Shared helpers for the Fisher-estimation tests (no tests here): tiny models, rollouts,
-a tiny offline tokenizer, and brute-force references computed one sequence at a time."""
+"""Fisher-estimation support for tests: tiny models, rollouts, a tiny offline tokenizer,
+brute-force references computed one sequence at a time, and the accumulator run on them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from graftmerge.estimate.accumulator import FisherAccumulator
+from graftmerge.estimate.batching import pad_batch, plan_batches
 from graftmerge.estimate.rollouts import Rollout
 from graftmerge.testing.tiny_models import save_tiny_model
 
@@ -179,3 +181,14 @@ def caches_close(a_path: Path, b_path: Path, rtol: float) -> float:
             worst = max(worst, float((m1 - m2).abs().max() / m1.abs().max().clamp_min(1e-30)))
     assert worst <= rtol, worst
     return worst
+
+
+def accumulate(model, rollouts, batch_size: int, **options):
+    with FisherAccumulator(model, dtype=torch.float64, **options) as accumulator:
+        for indices in plan_batches([r.length for r in rollouts], batch_size):
+            accumulator.accumulate(pad_batch([rollouts[i] for i in indices]))
+    return accumulator.means()
+
+
+def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x - y).abs().max() / y.abs().max())

@@ -1,10 +1,15 @@
-"""The package's shape, checked: imports point down the layers, no cycles, documented.
+"""The package's shape, checked: imports point down the layers, no cycles, documented;
+and the test suite's: no test module imports another (shared code is in tests/helpers/).
 
 The layers, lowest first (docs/architecture.md draws them). A module may import
 its own package and any package of a lower layer; packages that share a layer do
 not import each other. Imports sit at the top of their module, except in the
-two places whose laziness keeps start-up fast: ``cli/`` (``graftmerge --help``
-must not import torch) and the ``.pth`` import hook (it runs in every Python).
+places whose laziness keeps start-up fast: ``cli/`` (``graftmerge --help``
+must not import torch), the ``.pth`` import hook (it runs in every Python) and the
+lm-evaluation-harness bridge (an optional extra, imported only for ``lm_eval`` entries).
+``graftmerge/__init__.py`` re-exports the public API from every layer without importing
+it: names load on first use, and its ``if TYPE_CHECKING:`` imports never run, so they are
+not edges of the import graph.
 """
 
 from __future__ import annotations
@@ -17,17 +22,18 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "graftmerge"
 
 LAYERS: list[set[str]] = [
-    {"", "errors"},  # graftmerge/__init__.py (the version), the one exception type
+    {"", "errors", "fisher"},  # __init__.py (version, lazy public API), the one exception type, fisher.py (its deprecated alias)
     {"math"},  # pure tensors in, tensors out
     {"formats"},  # files on disk: checkpoints, Fisher caches, delta folders, GGUF
     {"hub"},  # the same artifacts on the Hugging Face Hub
     {"pipeline", "estimate"},  # a graft config -> a model; rollouts -> a Fisher cache
+    {"evaluation"},  # task files; a model in memory -> scores per task and role
     {"adapter"},  # graft as a mergekit merge method, and the import hook
     {"testing"},  # generated test models and the SmolLM2 fixture
     {"demo"},  # the demos, built on everything below
     {"cli"},  # click commands; graftmerge/__main__.py (python -m graftmerge) belongs here
 ]
-LAZY_IMPORTS_ALLOWED = ("cli/", "adapter/import_hook.py")
+LAZY_IMPORTS_ALLOWED = ("cli/", "adapter/import_hook.py", "evaluation/lm_eval_tasks.py")
 
 
 def layer_of(package: str) -> int:
@@ -53,12 +59,23 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
+def for_type_checkers(path: Path, tree: ast.Module) -> set[int]:
+    """The imports under ``if TYPE_CHECKING:`` in graftmerge/__init__.py: they never run."""
+    if path != PACKAGE / "__init__.py":
+        return set()
+    blocks = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+    return {id(node) for block in blocks for node in ast.walk(block) if isinstance(node, ast.Import | ast.ImportFrom)}
+
+
 def graftmerge_imports(path: Path) -> list[tuple[str, list[str], bool, int]]:
     """(imported module, imported names, at module top level, line) for every graftmerge import."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     top_level = {id(node) for node in tree.body}
+    skipped = for_type_checkers(path, tree)
     found = []
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "graftmerge":
             found.append((node.module, [a.name for a in node.names], id(node) in top_level, node.lineno))
         elif isinstance(node, ast.Import):
@@ -70,8 +87,9 @@ def graftmerge_imports(path: Path) -> list[tuple[str, list[str], bool, int]]:
 
 def all_imports(path: Path) -> list[tuple[ast.stmt, bool]]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    top_level = {id(node) for node in tree.body}
-    return [(n, id(n) in top_level) for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+    top_level, skipped = {id(node) for node in tree.body}, for_type_checkers(path, tree)
+    return [(n, id(n) in top_level) for n in ast.walk(tree)
+            if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skipped]
 
 
 def resolve(module: str, name: str) -> str:
@@ -203,3 +221,32 @@ def test_functions_are_short():
                 if length > 60:
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({length} lines)")
     assert not long, "functions over 60 lines:\n" + "\n".join(long)
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def imported_modules(node: ast.Import | ast.ImportFrom) -> list[tuple[str, bool]]:
+    """(dotted name, relative) of every module an import statement may load, ``from X import Y`` giving X and X.Y."""
+    if isinstance(node, ast.Import):
+        return [(alias.name, False) for alias in node.names]
+    base = node.module or ""
+    return [(base, node.level > 0)] + [(f"{base}.{alias.name}".strip("."), node.level > 0) for alias in node.names]
+
+
+def test_no_test_module_imports_another_or_conftest():
+    """Each tests/test_*.py stands alone: shared code lives in tests/helpers/, fixtures in
+    tests/conftest.py (which pytest loads itself, never imported as a module)."""
+    wrong = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node, _ in all_imports(path):
+            for name, relative in imported_modules(node):
+                parts = name.split(".")
+                if parts[0] == "tests" and not relative:
+                    parts = parts[1:]
+                elif not relative and parts[0] not in {p.stem for p in TESTS.glob("*.py")}:
+                    continue
+                if parts and (parts[0].startswith("test_") or parts[0] == "conftest"):
+                    wrong.append(f"{path.relative_to(TESTS.parent)}:{node.lineno} imports {name}")
+                    break
+    assert not wrong, "test modules importing test modules (move shared code to tests/helpers/):\n" + "\n".join(wrong)

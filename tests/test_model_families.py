@@ -3,7 +3,7 @@ Fisher cache estimated by the real `graftmerge fisher estimate`: rho 0 against
 task_arithmetic, diagonal and KFAC masks against a whole-model brute force.
 
 The merges run through the stock `mergekit-multi` command (several merges per run, the
-same `run_merge` as `mergekit-yaml`), in this process like the estimates (conftest.run_cli);
+same `run_merge` as `mergekit-yaml`), in this process like the estimates (tests.helpers.runners.run_cli);
 one of them also runs through `mergekit-yaml` and must give the same bits.
 
 Biases, fused and transposed tensors are where masks go wrong, so Qwen2 (q/k/v biases)
@@ -19,21 +19,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BruteForceGraft, brute_force_graft, graft_yaml, read_model, run_cli
-from test_estimate_math import accumulate, relative_error
-from test_estimate_support import (
+
+from graftmerge.formats.fisher_cache import open_fisher_cache
+from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
+from graftmerge.testing.tiny_models import make_graft_inputs
+from tests.helpers.configs import graft_yaml, task_arithmetic_yaml
+from tests.helpers.estimation import (
+    accumulate,
     brute_force_diagonal,
     brute_force_kfac,
     load,
     make_model,
     random_rollouts,
+    relative_error,
     write_jsonl,
 )
-from test_graft_mergekit import assert_within_one_ulp, task_arithmetic_yaml
-
-from graftmerge.formats.fisher_cache import open_fisher_cache
-from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
-from graftmerge.testing.tiny_models import make_graft_inputs
+from tests.helpers.models import assert_within_one_ulp, read_model
+from tests.helpers.references import BruteForceGraft, brute_force_graft
+from tests.helpers.runners import run_cli
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 48, "vocab_size": 128}
 CASES = [("llama", True), ("qwen3", True), ("qwen3", False), ("qwen2", False), ("gpt2", True)]
@@ -196,7 +199,9 @@ def test_diagonal_mask_equals_brute_force(case, scope):
 
 def test_kfac_mask_equals_brute_force(case):
     expected = case.brute_force(RHO["global"], "global", "kfac")
-    assert {n for n, kind in expected.kinds.items() if kind == "kfac"} == set(open_fisher_cache(case.fisher).names("kfac"))
+    assert {n for n, kind in expected.kinds.items() if kind == "kfac"} == set(
+        open_fisher_cache(case.fisher).names("kfac")
+    )
     check_against_brute_force(case, "kfac-global", expected, exact=False)
     post, got = read_model(case.models["post"]), read_model(case.outputs["kfac-global"])
     for name, mask in expected.masks.items():  # a masked KFAC pair changes its weight

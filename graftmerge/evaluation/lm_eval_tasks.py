@@ -1,0 +1,145 @@
+"""lm-evaluation-harness tasks scored on an in-memory model (the optional ``eval`` extra).
+
+The harness is imported only here and only when a tasks file has an ``lm_eval:`` entry:
+it is optional (``pip install graftmerge[eval]``) and takes seconds to import. A task is
+looked up in its ``include_path`` alone first (indexing the harness's ~13,000 built-in
+tasks takes tens of seconds), then among the built-in ones. Our ``validation`` split is
+the harness task's ``validation_split``, our ``test`` its ``test_split``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from graftmerge.errors import GraftError
+from graftmerge.evaluation.tasks import Task, first_line
+
+INSTALL_HINT = "pip install graftmerge[eval]"
+FEWSHOT_SEED = 1234  # the harness's own default
+
+
+def harness():
+    """The lm_eval modules this file uses; GraftError saying how to install them when absent."""
+    # lazy: lm-eval is an optional extra that takes seconds to import; only lm_eval entries need it
+    try:
+        import lm_eval
+        import lm_eval.evaluator
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError as error:
+        raise GraftError(f"lm_eval entries need lm-evaluation-harness, which is not installed "
+                         f"({error.name or error}): {INSTALL_HINT}") from error
+    return lm_eval, HFLM, TaskManager
+
+
+@functools.lru_cache(maxsize=8)
+def task_manager(include_path: str | None, include_defaults: bool):
+    """A TaskManager (its index built once per process and folder set)."""
+    _, _, TaskManager = harness()
+    with quiet_harness():
+        return TaskManager(include_path=include_path, include_defaults=include_defaults)
+
+
+@contextlib.contextmanager
+def quiet_harness():
+    """The harness's INFO and WARNING chatter off for the block (its errors still show)."""
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@dataclass
+class HarnessTask:
+    """One lm_eval entry resolved: the harness's task object, its metric and our split names."""
+
+    task: Task  # ours, with splits and higher_is_better filled in
+    harness_task: Any  # lm_eval.api.task.Task
+    manager: Any  # lm_eval.tasks.TaskManager that knows it
+
+
+def find_task(task: Task):
+    """(TaskManager, harness task object) of an lm_eval entry; GraftError when the harness has no such task."""
+    spec = task.lm_eval
+    include = str(spec.include_path) if spec.include_path is not None else None
+    manager = None
+    for defaults in ([False] if include else []) + [True]:  # the harness's own index only when needed
+        manager = task_manager(include, defaults)
+        if spec.task in manager.all_subtasks:
+            break
+        if spec.task in manager.all_tasks:
+            raise GraftError(f"{task.where}: lm-eval name {spec.task!r} is a group or tag of several tasks; "
+                             "list each of its tasks as its own entry")
+    else:
+        searched = f" or in {spec.include_path}" if include else ""
+        raise GraftError(f"{task.where}: lm-eval task {spec.task!r} does not exist (not among the harness's "
+                         f"{len(manager.all_subtasks)} tasks{searched})")
+    try:
+        with quiet_harness():
+            loaded = manager.load([spec.task])["tasks"]
+    except Exception as error:  # the harness raises whatever its dataset loader raises
+        raise GraftError(f"{task.where}: cannot load lm-eval task {spec.task!r}: {first_line(error)}") from error
+    return manager, next(iter(loaded.values()))
+
+
+def resolve(task: Task) -> HarnessTask:
+    """An lm_eval entry checked against the harness: the task exists, has the metric and a split."""
+    harness()  # installed? (before any cached TaskManager is reused)
+    manager, harness_task = find_task(task)
+    spec = task.lm_eval
+    better = harness_task.higher_is_better() or {}
+    metric = spec.metric or ("acc" if "acc" in better else next(iter(better), None))
+    if metric not in better:
+        raise GraftError(f"{task.where}: lm-eval task {spec.task!r} reports no metric {metric!r} "
+                         f"(it reports: {', '.join(better) or 'none'})")
+    config = harness_task.config
+    splits = tuple(ours for ours, theirs in (("validation", config.validation_split), ("test", config.test_split))
+                   if theirs is not None)
+    if not splits:
+        raise GraftError(f"{task.where}: lm-eval task {spec.task!r} has neither a validation nor a test split")
+    resolved = replace(task, lm_eval=replace(spec, metric=metric, higher_is_better=bool(better[metric]), splits=splits))
+    return HarnessTask(resolved, harness_task, manager)
+
+
+def score_harness_task(entry: HarnessTask, model, tokenizer, split: str, batch_size: int) -> float:
+    """The entry's metric on ``split`` of its harness task, computed by the harness on ``model`` in memory.
+
+    Through the harness's ``evaluate`` (not ``simple_evaluate``, which also reseeds the
+    global random generators and asks git for a commit hash); few-shot examples are
+    drawn with the harness's default seed, so a score is the same on every call.
+    """
+    lm_eval, HFLM, _ = harness()
+    spec, task = entry.task.lm_eval, entry.harness_task
+    if split not in spec.splits:
+        raise GraftError(f"{entry.task.where}: lm-eval task {spec.task!r} has no {split} split "
+                         f"(it has: {', '.join(spec.splits)})")
+    if spec.num_fewshot is not None:
+        task.set_config(key="num_fewshot", value=spec.num_fewshot)
+    elif task.get_config("num_fewshot") is None:
+        task.set_config(key="num_fewshot", value=0)
+    task.set_fewshot_seed(seed=FEWSHOT_SEED)
+    saved_test_split = task.config.test_split
+    if split == "validation":
+        task.config.test_split = None  # the harness scores test_split when there is one, else validation_split
+    try:
+        with quiet_harness():
+            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+            results = lm_eval.evaluator.evaluate(
+                lm=lm, task_dict={"tasks": {spec.task: task}}, limit=spec.limit, bootstrap_iters=0,
+                log_samples=False, apply_chat_template=spec.apply_chat_template,
+                fewshot_as_multiturn=spec.apply_chat_template,
+            )
+    finally:
+        task.config.test_split = saved_test_split
+    row = results["results"][spec.task]
+    keys = [key for key in row if key.split(",")[0] == spec.metric]
+    value = float(row[keys[0]]) if keys else math.nan
+    return value if math.isfinite(value) else math.nan

@@ -1,0 +1,11 @@
+"""Code shared by the test modules (no tests here); fixtures live in tests/conftest.py.
+
+runners        console scripts in this process or as real processes; the one-line error contract
+models         read, copy, hash and compare model folders
+configs        graft and task_arithmetic configs as YAML text
+fisher_caches  random diagonal, mixed and sharded Fisher caches
+references     brute-force graft and top-k mask
+estimation     tiny models, rollouts, a tokenizer, brute-force Fisher estimates
+fake_hub       a fake Hugging Face Hub and HF cache
+lora           PEFT adapters and PEFT's own deltas
+"""

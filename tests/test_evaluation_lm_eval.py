@@ -1,0 +1,138 @@
+"""lm_eval entries: a local harness task (a YAML and JSONL written here) scored offline on a tiny model in memory.
+
+The harness's ``acc`` of a multiple-choice task is the share of documents whose gold choice
+has the highest log-likelihood after the context and a space; on the same documents
+written as ``prompt`` lines with those choices, graftmerge's own ``choice`` metric (checked
+against a brute force in test_evaluation_metrics.py) computes the same thing, so the two
+must agree. The test split is built so that its accuracy is 0 (the gold choice is a long
+sentence, the other a single word), which shows which split was scored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from graftmerge.errors import GraftError
+from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, normalised
+from graftmerge.testing.tiny_tokenizer import save_tiny_chat_model
+from tests.helpers.runners import error_line, run_cli
+
+QUESTIONS = ["What is the capital?", "Name a colour.", "Who wrote the letter?", "When did the train arrive?",
+             "Where is the library?", "Yes or no?", "What did the cat buy?", "Who is the mayor?"]
+WORDS = ["red", "green", "blue", "fish", "city", "yes", "no", "bridge"]
+LONG = "the mayor of the town opened a new bridge over the river in the spring and then went home"
+
+
+def harness_task_yaml(task: str, data: Path) -> str:
+    return (
+        f"task: {task}\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        "  data_files:\n"
+        f"    validation: {data / 'validation.jsonl'}\n"
+        f"    test: {data / 'test.jsonl'}\n"
+        "validation_split: validation\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        "doc_to_text: \"{{question}}\"\n"
+        "doc_to_target: \"{{gold}}\"\n"
+        "doc_to_choice: \"{{choices}}\"\n"
+        "metric_list:\n"
+        "  - metric: acc\n"
+        "    aggregation: mean\n"
+        "    higher_is_better: true\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def harness_setup(tmp_path_factory):
+    pytest.importorskip("lm_eval")
+    root = tmp_path_factory.mktemp("lm-eval")
+    validation = [{"question": q, "choices": [WORDS[i], WORDS[(i + 3) % 8], WORDS[(i + 5) % 8]], "gold": i % 3}
+                  for i, q in enumerate(QUESTIONS)]
+    test = [{"question": q, "choices": ["no", LONG], "gold": 1} for q in QUESTIONS[:5]]
+    (root / "harness").mkdir()
+    for name, docs in (("validation", validation), ("test", test)):
+        (root / "harness" / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (root / "harness" / "graft_probe.yaml").write_text(harness_task_yaml("graft_probe", root / "harness"))
+    ours = [{"prompt": d["question"], "choices": [" " + c for c in d["choices"]], "answer": " " + d["choices"][d["gold"]]}
+            for d in validation]
+    (root / "ours.jsonl").write_text("".join(json.dumps(line) + "\n" for line in ours))
+    (root / "tasks.yml").write_text(
+        "tasks:\n"
+        "  - name: probe\n    role: old\n    lm_eval: {task: graft_probe, include_path: harness, metric: acc}\n"
+        "  - name: ours\n    role: old\n    data: ours.jsonl\n    metric: choice\n")
+    folder = save_tiny_chat_model(root / "model", architecture="llama", seed=5)
+    model, tokenizer = load_model_for_eval(folder)
+    return {"root": root, "folder": folder, "model": model, "tokenizer": tokenizer}
+
+
+def test_harness_accuracy_equals_our_choice_metric_on_the_same_documents(harness_setup):
+    suite = load_tasks(harness_setup["root"] / "tasks.yml")
+    evaluator = Evaluator(suite, harness_setup["tokenizer"], batch_size=4, progress=False)
+    probe = evaluator.suite.task("probe")
+    assert probe.splits == ("validation", "test") and probe.higher_is_better and probe.lm_eval.metric == "acc"
+    scores = evaluator.score(harness_setup["model"], ("validation", "test"), only_present=True)
+    assert scores["probe"]["validation"] == scores["ours"]["validation"]
+    assert 0 < scores["probe"]["validation"] < 1  # a random model: some right, some wrong
+    assert scores["probe"]["test"] == 0.0  # the test split, not the validation one
+    assert normalised(probe, scores["probe"]["validation"]) == scores["probe"]["validation"]
+
+
+def test_one_evaluator_scores_model_after_model_as_a_sweep_does(harness_setup, tmp_path):
+    """No state carried over: A, then B, then A again gives A's numbers (the split override is undone)."""
+    evaluator = Evaluator(load_tasks(harness_setup["root"] / "tasks.yml"), harness_setup["tokenizer"], progress=False)
+    other, _ = load_model_for_eval(save_tiny_chat_model(tmp_path / "other", architecture="llama", seed=11))
+    first = evaluator.score(harness_setup["model"], ("validation", "test"), only_present=True)
+    second = evaluator.score(other, ("validation", "test"), only_present=True)
+    assert evaluator.score(harness_setup["model"], ("validation", "test"), only_present=True) == first
+    assert second["probe"]["validation"] == second["ours"]["validation"] and second["probe"]["test"] == 0.0
+    assert evaluator.harness["probe"].harness_task.config.test_split == "test"
+
+
+def test_lm_eval_entry_through_the_cli(harness_setup):
+    result = run_cli("graftmerge", "eval", str(harness_setup["folder"]), "--tasks",
+                     str(harness_setup["root"] / "tasks.yml"), "--split", "test", "--no-progress")
+    assert result.returncode == 2  # "ours" has no test lines
+    assert "task 'ours' has no test examples" in error_line(result)
+    result = run_cli("graftmerge", "eval", str(harness_setup["folder"]), "--tasks",
+                     str(harness_setup["root"] / "tasks.yml"), "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^probe\s+old\s+lm_eval:graft_probe/acc\s+validation\s+0\.\d{4}", result.stdout, re.M)
+
+
+def test_a_metric_the_task_does_not_report_is_refused(harness_setup, tmp_path):
+    (tmp_path / "tasks.yml").write_text(
+        f"tasks:\n  - name: probe\n    role: old\n    lm_eval: {{task: graft_probe, include_path: "
+        f"{harness_setup['root'] / 'harness'}, metric: f1}}\n")
+    with pytest.raises(GraftError, match=r"tasks\.yml:2: lm-eval task 'graft_probe' reports no metric 'f1' "
+                                         r"\(it reports: acc\)"):
+        Evaluator(load_tasks(tmp_path / "tasks.yml"), harness_setup["tokenizer"])
+
+
+def test_a_task_the_harness_does_not_have_is_one_error_line(harness_setup, tmp_path):
+    """Looked up in include_path, then among the harness's own tasks (which takes a while to index)."""
+    (tmp_path / "tasks.yml").write_text(
+        f"tasks:\n  - name: probe\n    role: old\n    lm_eval: {{task: no_such_task_xyz, include_path: "
+        f"{harness_setup['root'] / 'harness'}}}\n")
+    line = error_line(run_cli("graftmerge", "eval", str(harness_setup["folder"]), "--tasks",
+                              str(tmp_path / "tasks.yml"), "--no-progress"))
+    assert re.fullmatch(r"error: .*tasks\.yml:2: lm-eval task 'no_such_task_xyz' does not exist \(not among the "
+                        r"harness's \d+ tasks or in .*harness\)", line), line
+
+
+def test_without_lm_eval_installed_the_error_says_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # what an environment without the extra looks like
+    (tmp_path / "tasks.yml").write_text("tasks:\n  - {name: arc, role: old, lm_eval: {task: arc_easy}}\n")
+    suite = load_tasks(tmp_path / "tasks.yml")
+    folder = save_tiny_chat_model(tmp_path / "model")
+    _, tokenizer = load_model_for_eval(folder)
+    with pytest.raises(GraftError, match=r"lm-evaluation-harness, which is not installed .*pip install graftmerge\[eval\]"):
+        Evaluator(suite, tokenizer)
+    line = error_line(run_cli("graftmerge", "eval", str(folder), "--tasks", str(tmp_path / "tasks.yml")))
+    assert line.endswith("pip install graftmerge[eval]")
