@@ -24,14 +24,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from graftmerge.adapter import import_hook
-from graftmerge.cli import main
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import FisherCacheWriter
-from graftmerge.pipeline.graft import forget_process_state
+from graftmerge.formats.gguf_import import import_gguf
 from graftmerge.testing.smollm2 import smollm2_gguf, train_fact_adapter, write_fact_tasks
+from tests.helpers.runners import error_line, run_cli
 
 GGUF = smollm2_gguf()
 pytestmark = [
@@ -46,16 +44,6 @@ TOLERANCE = 0.05
 ADAPTED = range(20, 30)  # the layers the adapter changes: its training stops its backward pass there
 RANKED = tuple(f"model.layers.{layer}.{part}.weight" for layer in ADAPTED
                for part in ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj", "mlp.down_proj"))
-
-
-def invoke(command, *args: str):
-    """A click command in this process, as a fresh process would run it (the .pth hook, no leftover state)."""
-    import_hook.install()
-    forget_process_state()
-    try:
-        return CliRunner().invoke(command, [str(a) for a in args])
-    finally:
-        forget_process_state()
 
 
 def records(folder: Path) -> list[dict]:
@@ -80,8 +68,7 @@ def sweep_arguments(smol: dict, out: Path, *extra: str) -> list[str]:
 def smol(tmp_path_factory) -> dict:
     """SmolLM2 (imported from its GGUF), a fact adapter, a Fisher cache, the tasks and one finished sweep."""
     root = tmp_path_factory.mktemp("sweep-eval-smollm2")
-    imported = invoke(main, "import-gguf", GGUF, "-o", root / "post")
-    assert imported.exit_code == 0, imported.output[-3000:]
+    import_gguf(GGUF, root / "post")
     adapter = train_fact_adapter(root / "post", root / "lora", layers=ADAPTED, steps=4, lr=5e-3, progress=False)
     assert adapter.losses[-1] < adapter.losses[0] / 2  # it learned the facts
     post = Checkpoint(root / "post")
@@ -95,9 +82,9 @@ def smol(tmp_path_factory) -> dict:
                       f"  fisher: {root / 'fisher'}\ndtype: float32\nout_dtype: bfloat16\n")
     smol = {"root": root, "config": config, "tasks": write_fact_tasks(root / "tasks", contradicting_test=True,
                                                                     per_split=2)}
-    result = invoke(main, *sweep_arguments(smol, root / "sweep"))
-    assert result.exit_code == 0, result.output[-3000:]
-    smol["sweep"], smol["output"] = root / "sweep", result.output
+    result = run_cli("graftmerge", *sweep_arguments(smol, root / "sweep"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    smol["sweep"], smol["output"] = root / "sweep", result.stdout
     return smol
 
 
@@ -124,11 +111,9 @@ def test_chosen_point_obeys_the_rule_on_validation_not_test(smol):
 
 
 def test_best_is_mergekit_yaml_of_its_config_bit_for_bit(smol, tmp_path):
-    from mergekit.scripts.run_yaml import main as mergekit_yaml
-
     best = smol["sweep"] / "best"
-    result = invoke(mergekit_yaml, best / "mergekit_config.yml", tmp_path / "reference")
-    assert result.exit_code == 0, result.output[-3000:]
+    result = run_cli("mergekit-yaml", str(best / "mergekit_config.yml"), str(tmp_path / "reference"))
+    assert result.returncode == 0, result.stderr[-3000:]
     assert tensor_bytes(best) == tensor_bytes(tmp_path / "reference")
     assert (best / "config.json").read_text() == (tmp_path / "reference" / "config.json").read_text()
     assert (best / "tokenizer.json").read_bytes() == (tmp_path / "reference" / "tokenizer.json").read_bytes()
@@ -163,8 +148,8 @@ def test_killed_sweep_resumes_to_the_same_results_and_best(smol, tmp_path):
         process.wait()
     assert not (out / "best").exists() and not (out / "chosen.json").exists()
     assert 3 <= len((out / "results.jsonl").read_bytes().split(b"\n")) <= 4  # header, θpost, a point (maybe torn)
-    resumed = invoke(main, *sweep_arguments(smol, out))
-    assert resumed.exit_code == 0, resumed.output[-3000:]
+    resumed = run_cli("graftmerge", *sweep_arguments(smol, out))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert without_seconds(records(out)) == without_seconds(records(smol["sweep"]))
     assert tensor_bytes(out / "best") == tensor_bytes(smol["sweep"] / "best")
     assert sorted(p.name for p in out.iterdir()) == ["best", "chosen.json", "frontier.png", "results.jsonl"]
@@ -208,10 +193,7 @@ def test_bad_input_one_error_line_nothing_in_dir(smol, tmp_path, case):
     command, fragment = bad_case(smol, case, tmp_path)
     before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "out").iterdir()) if (tmp_path / "out").exists() \
         else None
-    result = invoke(main, *command)
-    assert result.exit_code == 2, result.output[-3000:]
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.output[-3000:]
+    assert fragment in error_line(run_cli("graftmerge", *command))
     after = sorted((p.name, p.read_bytes()) for p in (tmp_path / "out").iterdir()) if (tmp_path / "out").exists() \
         else None
     assert after == before and not list(tmp_path.glob(".out*"))

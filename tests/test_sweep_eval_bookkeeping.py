@@ -11,7 +11,6 @@ real tasks and Evaluator on SmolLM2 are in test_sweep_eval.py.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -31,6 +30,8 @@ from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.pipeline.graft import forget_process_state
 from graftmerge.pipeline.graft_plan import read_graft_config
 from graftmerge.pipeline.sweep_eval import Evaluation, Judge, run_sweep_eval
+from tests.helpers.models import tree_digest
+from tests.helpers.runners import one_line_error, run_cli
 
 LAMBDAS, RHOS = [0.5, 1.0], [0.0, 0.05]
 CONFIG = """merge_method: graft
@@ -144,13 +145,6 @@ def tensors(folder: Path) -> dict[str, bytes]:
     return {name: checkpoint.read(name).contiguous().view(torch.uint8).numpy().tobytes() for name in checkpoint.tensors}
 
 
-def tree_digest(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest.update(str(file.relative_to(folder)).encode() + file.read_bytes())
-    return digest.hexdigest()
-
-
 def brute_force_choice(lines: list[dict], tolerance: float):
     """The rule, written out: the highest new-role validation score with old ≥ θpost's − τ; smaller λ, then ρ."""
     post = next(line for line in lines if line["kind"] == "post")["roles"]["validation"]
@@ -165,13 +159,8 @@ def brute_force_choice(lines: list[dict], tolerance: float):
 
 def run_mergekit_yaml(config: Path, out: Path) -> None:
     """The stock mergekit-yaml console command, in this process (graft's import hook installed)."""
-    from mergekit.scripts.run_yaml import main as mergekit_yaml
-
-    import_hook.install()
-    forget_process_state()
-    result = CliRunner().invoke(mergekit_yaml, [str(config), str(out)])
-    forget_process_state()
-    assert result.exit_code == 0, result.output[-3000:]
+    result = run_cli("mergekit-yaml", str(config), str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -348,6 +337,5 @@ def test_tolerance_and_keep_need_eval(setup, tmp_path):
     for option in (["--tolerance", "0.1"], ["--keep", "all"]):
         result = CliRunner().invoke(main, ["sweep", str(setup["config"]), "--lambda", "1", "--rho", "0", "-o",
                                            str(tmp_path / "out"), *option])
-        assert result.exit_code == 2 and result.output.startswith("error: ") and "--eval" in result.output
-        assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+        assert "--eval" in one_line_error(result) and not (tmp_path / "out").exists()
     assert not os.listdir(tmp_path)

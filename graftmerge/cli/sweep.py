@@ -101,7 +101,13 @@ def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[floa
                      tasks_file: str, tolerance: float | None, keep: str | None) -> None:
     """``sweep --eval``: the task file and τ checked first, then the sweep with θpost as the evaluation model."""
     # lazy: evaluation loads transformers and the task file's data only when --eval is given
-    from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, role_scores
+    from graftmerge.evaluation import (
+        Evaluator,
+        load_model_for_eval,
+        load_tasks,
+        load_tokenizer,
+        role_scores,
+    )
     from graftmerge.pipeline.graft_plan import read_graft_config
     from graftmerge.pipeline.sweep_eval import (
         DEFAULT_TOLERANCE,
@@ -125,10 +131,11 @@ def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[floa
 
     def make_judge() -> Judge:
         """θpost loaded for evaluation, and the evaluator (every task checked against its tokenizer)."""
-        model, tokenizer = load_model_for_eval(plan.post, device=device, dtype=dtype,
-                                               trust_remote_code=options.trust_remote_code)
+        tokenizer = load_tokenizer(plan.post, trust_remote_code=options.trust_remote_code)
         evaluator = Evaluator(suite, tokenizer, device=device, batch_size=EVAL_BATCH_SIZE,
-                              progress=not options.quiet, splits=("validation", "test"))
+                              progress=not options.quiet, splits=("validation", "test"))  # before the weights load
+        model, _ = load_model_for_eval(plan.post, device=device, dtype=dtype,
+                                       trust_remote_code=options.trust_remote_code)
         return Judge(model, lambda scored, splits: evaluator.score(scored, splits),
                      lambda scores, split: role_scores(evaluator.suite, scores, split))
 
