@@ -63,16 +63,10 @@ def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_l
     appear at once, only on success.
 
     \b
-    With --eval TASKS.yml, the sweep judges itself instead: θpost is scored
-    once; each grid point is grafted in memory into one evaluation model
-    (no folder written), scored on the validation splits and appended to
-    OUTPUT/results.jsonl as it finishes. The rule chooses the highest
-    new-role score among points whose old-role score is within τ of
-    θpost's (ties: smaller λ, then ρ; θpost if none qualifies). Only the
-    chosen point and the Pareto frontier are scored on test. OUTPUT gets
-    best/ (the chosen model, bit for bit what mergekit-yaml makes of its
-    mergekit_config.yml), chosen.json and frontier.png. A killed run
-    resumes when run again with the same arguments.
+    With --eval TASKS.yml each point is grafted in memory and scored on
+    validation (OUTPUT/results.jsonl); the highest new-role score whose
+    old-role score is within τ of θpost's is chosen and written to
+    OUTPUT/best/, with chosen.json and frontier.png. Run it again to resume.
 
     \b
     graftmerge sweep graft.yml --lambda 0.25,0.5,1 --rho 0,0.001,0.01 -o sweep/ --out-shard-size 500M
@@ -108,7 +102,7 @@ def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[floa
         load_tokenizer,
         role_scores,
     )
-    from graftmerge.pipeline.graft_plan import read_graft_config
+    from graftmerge.pipeline.config_files import read_graft_config
     from graftmerge.pipeline.sweep_eval import (
         DEFAULT_TOLERANCE,
         Evaluation,
