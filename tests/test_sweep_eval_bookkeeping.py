@@ -238,10 +238,13 @@ def test_a_new_tolerance_rechooses_from_the_recorded_scores(setup, fresh, tmp_pa
     out = tmp_path / "out"
     shutil.copytree(fresh, out, ignore=shutil.ignore_patterns("lambda-*"))
     judge = WeightJudge(setup["models"])
-    sweep(setup, out, judge=judge, tolerance=1.0)
+    sweep(setup, out, judge=judge, tolerance=1.0, keep="frontier")
     chosen = json.loads((out / "chosen.json").read_text())
     assert chosen["chosen"] == brute_force_choice(records(out), 1.0) != brute_force_choice(records(fresh), 0.3)
     assert judge.calls <= 1  # at most the new choice's test score: nothing is scored on validation again
+    frontier = sorted(f"lambda-{p['lambda']!r}_rho-{p['rho']!r}" for p in chosen["frontier"])
+    assert sorted(p.name for p in out.glob("lambda-*")) == frontier and chosen["written"] == ["best", *[
+        f"lambda-{p['lambda']!r}_rho-{p['rho']!r}" for p in chosen["frontier"]]]
 
 
 def test_a_failed_evaluation_is_a_failed_point_never_chosen(setup, fresh, tmp_path):
