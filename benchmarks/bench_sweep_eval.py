@@ -5,13 +5,16 @@ Qwen3-shaped ~0.5B (hidden 1024, 28 layers, bfloat16) that carries SmolLM2's 49,
 vocabulary and tokenizer, so the same tasks run on it. The donor and fine-tune are synthetic
 (SmolLM2: post + 1 % and + 1.2 % relative noise; the 0.5B: bench_graft's generated base and
 base-ft): costs need real shapes, not a real donor. Global diagonal mask from a synthetic Fisher
-cache, `dtype: float32`, `out_dtype: bfloat16`, λ {0.25, 0.5, 1} × ρ {0, 0.001, 0.01}. Tasks:
+cache, `dtype: float32`, `out_dtype: bfloat16`, λ {0.25, 0.5, 1} × ρ {0, 0.001, 0.01}, mergekit's default
+`--out-shard-size` (one merge holds its whole output until it writes it). Tasks:
 graftmerge.testing.smollm2.write_fact_tasks (nll on chat prompts, 3 examples per split and role).
 
 Compared, each run a fresh process with an empty threshold cache:
 
 - ``sweep --eval``: θpost scored once (validation and test), every point grafted in memory and
-  scored on validation, the frontier and the chosen point on test, best/ written;
+  scored on validation, the frontier and the chosen point on test, best/ written; once with the
+  default evaluation dtype (float32 on CPU, as ``graftmerge eval``) and once with ``--eval-dtype auto``
+  (the evaluation model in out_dtype);
 - the old way: ``graftmerge sweep`` (9 folders), then ``graftmerge eval --split all`` of θpost
   and of each folder, one process each (the Evaluator API in a process of its own where the
   eval command is missing): what a user runs before choosing by hand;
@@ -142,33 +145,38 @@ def compare(w: Path, label: str) -> None:
 
     tasks = write_fact_tasks(w / "tasks")
     (w / "sweep.yml").write_text(CONFIG.format(w=w, lam=1.0, rho=0.01))
-    grid = ["--lambda", LAMBDAS, "--rho", RHOS, "--out-shard-size", "500M"]
+    grid = ["--lambda", LAMBDAS, "--rho", RHOS]  # mergekit's default --out-shard-size everywhere
     env = lambda name: {"GRAFTMERGE_CACHE_DIR": str(w / "caches" / name)}  # noqa: E731 - an empty cache per run
     shutil.rmtree(w / "caches", ignore_errors=True)
     for out in ("eval-out", "sweep-out", "single-out"):
         shutil.rmtree(w / out, ignore_errors=True)
     ours = measured([str(BIN / "graftmerge"), "sweep", str(w / "sweep.yml"), *grid, "--eval", str(tasks), "-o",
                      str(w / "eval-out"), "--quiet"], env("eval"))
+    shutil.rmtree(w / "eval-out-auto", ignore_errors=True)
+    ours_auto = measured([str(BIN / "graftmerge"), "sweep", str(w / "sweep.yml"), *grid, "--eval", str(tasks), "-o",
+                          str(w / "eval-out-auto"), "--eval-dtype", "auto", "--quiet"], env("eval-auto"))
     old = [measured([str(BIN / "graftmerge"), "sweep", str(w / "sweep.yml"), *grid, "-o", str(w / "sweep-out"),
                      "--quiet"], env("sweep"))]
     command = has_eval_command()
     for folder in [w / "post", *sorted((w / "sweep-out").iterdir())]:
         old.append(measured(evaluate_command(folder, tasks, command), {}))
-    single = measured([str(BIN / "mergekit-yaml"), str(w / "sweep.yml"), str(w / "single-out"), "--out-shard-size",
-                       "500M", "--quiet"], env("single"))
+    single = measured([str(BIN / "mergekit-yaml"), str(w / "sweep.yml"), str(w / "single-out"), "--quiet"],
+                      env("single"))
     model_bytes = folder_bytes(w / "single-out")
     baseline = total(old)
     chosen = json.loads((w / "eval-out" / "chosen.json").read_text())
     print(f"\n{label}: chosen {chosen['chosen']}; one model folder {model_bytes / 1e9:.3f} GB")
     print(f"{'run':52s} {'wall s':>8s} {'peak RSS MB':>12s} {'written GB':>11s}")
-    rows = (("sweep --eval (3×3)", ours), ("sweep (9 folders) + 10 × eval", baseline),
+    rows = (("sweep --eval (3×3)", ours), ("sweep --eval --eval-dtype auto (out_dtype)", ours_auto),
+            ("sweep (9 folders) + 10 × eval", baseline),
             ("  of which sweep (9 folders)", old[0]), ("one mergekit-yaml merge", single))
     for name, run in rows:
         print(f"{name:52s} {run['wall']:8.1f} {run['rss']:12.0f} {run['written'] / 1e9:11.3f}")
     print(f"wall  sweep --eval ÷ old way:          {ours['wall'] / baseline['wall']:.2f}  (goal ≤ 0.5)")
-    print(f"peak RSS sweep --eval ÷ one merge:     {ours['rss'] / single['rss']:.2f}  (goal ≤ 1.2)")
+    print(f"peak RSS sweep --eval ÷ one merge:     {ours['rss'] / single['rss']:.2f}  (goal ≤ 1.2); "
+          f"with --eval-dtype auto {ours_auto['rss'] / single['rss']:.2f}")
     print(f"bytes written ÷ one model folder:      {ours['written'] / model_bytes:.2f}  (goal ≤ 1.1)", flush=True)
-    for out in ("eval-out", "sweep-out", "single-out", "caches"):
+    for out in ("eval-out", "eval-out-auto", "sweep-out", "single-out", "caches"):
         shutil.rmtree(w / out, ignore_errors=True)
 
 

@@ -99,8 +99,8 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return {name: checkpoint.read(name).double() for name in checkpoint.tensors}
 
 
-def load_eval_model(folder: Path):
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+def load_eval_model(folder: Path, dtype: torch.dtype = torch.float32):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,8 @@ def setup(tied_models, tied_diag_cache, tmp_path_factory) -> dict:
 
 
 def sweep(setup: dict, out: Path, *, judge: WeightJudge | None = None, lambdas=LAMBDAS, rhos=RHOS,
-          tolerance: float = 0.3, keep: str = "best", fingerprint: str = "tasks-1", settings=None, config=None):
+          tolerance: float = 0.3, keep: str = "best", fingerprint: str = "tasks-1", settings=None, config=None,
+          dtype: torch.dtype = torch.float32):
     """run_sweep_eval in this process, θpost loaded as the evaluation model."""
     import_hook.install()
     forget_process_state()
@@ -123,7 +124,7 @@ def sweep(setup: dict, out: Path, *, judge: WeightJudge | None = None, lambdas=L
     evaluation = Evaluation((str(setup["tasks"]),), fingerprint, settings or {"dtype": "float32"})
 
     def make_judge() -> Judge:
-        return Judge(load_eval_model(setup["models"]["post"]), judge.score, judge.roles)
+        return Judge(lambda: load_eval_model(setup["models"]["post"], dtype), judge.score, judge.roles)
 
     try:
         return run_sweep_eval(loaded, source, plan, lambdas, rhos, str(out), MergeOptions(quiet=True), evaluation,
@@ -202,6 +203,17 @@ def test_in_memory_scores_equal_the_written_folders_scores(setup, fresh):
         if line["kind"] == "point" and line["splits"] == ["validation"]:
             folder = fresh / f"lambda-{line['lambda']!r}_rho-{line['rho']!r}"
             assert judge.score(load_eval_model(folder), ("validation",)) == line["scores"], folder.name
+
+
+def test_in_memory_scores_equal_the_folders_scores_in_bfloat16_too(setup, tmp_path):
+    """An evaluation model in bfloat16 (``--eval-dtype``): each graft is cast to out_dtype, then to the model's dtype."""
+    out = tmp_path / "out"
+    sweep(setup, out, keep="all", dtype=torch.bfloat16, settings={"dtype": "bfloat16"})
+    judge = WeightJudge(setup["models"])
+    for line in records(out):
+        if line["kind"] == "point" and line["splits"] == ["validation"]:
+            folder = out / f"lambda-{line['lambda']!r}_rho-{line['rho']!r}"
+            assert judge.score(load_eval_model(folder, torch.bfloat16), ("validation",)) == line["scores"], folder
 
 
 def test_best_is_mergekit_yaml_of_its_config_and_links_the_kept_folder(setup, fresh, tmp_path):
@@ -337,7 +349,7 @@ def _sweep_with_refusing_judge(setup: dict, out: Path) -> None:
 
 
 def test_tolerance_and_keep_need_eval(setup, tmp_path):
-    for option in (["--tolerance", "0.1"], ["--keep", "all"]):
+    for option in (["--tolerance", "0.1"], ["--keep", "all"], ["--eval-dtype", "auto"]):
         result = CliRunner().invoke(main, ["sweep", str(setup["config"]), "--lambda", "1", "--rho", "0", "-o",
                                            str(tmp_path / "out"), *option])
         assert "--eval" in one_line_error(result) and not (tmp_path / "out").exists()

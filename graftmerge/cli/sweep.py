@@ -30,9 +30,12 @@ EVAL_BATCH_SIZE = 16
 @click.option("--keep", type=click.Choice(KEEP_CHOICES), default=None,
               help="With --eval: which model folders to write: best (default: OUTPUT/best/ only), "
                    "frontier (also each Pareto-frontier point's) or all (also every point's).")
+@click.option("--eval-dtype", type=click.Choice(["float32", "bfloat16", "float16", "auto"]), default=None,
+              help="With --eval: the evaluation model's dtype, as `graftmerge eval --dtype` [default: float32 on "
+                   "CPU, bfloat16 with --cuda; auto: the dtype the sweep writes, out_dtype].")
 @add_merge_options
 def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_list: str, out_dir: str,
-          tasks_file: str | None, tolerance: float | None, keep: str | None) -> None:
+          tasks_file: str | None, tolerance: float | None, keep: str | None, eval_dtype: str | None) -> None:
     """Graft CONFIG once per (λ, ρ) of a grid, reading the inputs once for all of them.
 
     Writes OUTPUT/lambda-<λ>_rho-<ρ>/ for every pair, each number as Python
@@ -81,10 +84,10 @@ def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_l
     lambdas = parse_values(lambda_list, "--lambda")
     rhos = parse_values(rho_list, "--rho", rho=True)
     if tasks_file is not None:
-        _sweep_with_eval(merge_options, config_file, lambdas, rhos, out_dir, tasks_file, tolerance, keep)
+        _sweep_with_eval(merge_options, config_file, lambdas, rhos, out_dir, tasks_file, tolerance, keep, eval_dtype)
         return
-    if tolerance is not None or keep is not None:
-        raise GraftError("--tolerance and --keep choose among evaluated points: they need --eval TASKS.yml")
+    if tolerance is not None or keep is not None or eval_dtype is not None:
+        raise GraftError("--tolerance, --keep and --eval-dtype are about evaluated points: they need --eval TASKS.yml")
     config, source, plan = read_graft_config(config_file)
     folders = run_sweep(config, source, plan, grid(lambdas, rhos), out_dir, merge_options)
     for folder in folders:
@@ -92,7 +95,7 @@ def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_l
 
 
 def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[float], rhos: list[float], out_dir: str,
-                     tasks_file: str, tolerance: float | None, keep: str | None) -> None:
+                     tasks_file: str, tolerance: float | None, keep: str | None, eval_dtype: str | None) -> None:
     """``sweep --eval``: the task file and τ checked first, then the sweep with θpost as the evaluation model."""
     # lazy: evaluation loads transformers and the task file's data only when --eval is given
     from graftmerge.evaluation import (
@@ -109,6 +112,7 @@ def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[floa
         Judge,
         check_tolerance,
         run_sweep_eval,
+        written_dtype,
     )
 
     tolerance = check_tolerance(DEFAULT_TOLERANCE if tolerance is None else tolerance)
@@ -119,18 +123,23 @@ def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[floa
                          "roles, so it needs a task of each")
     config, source, plan = read_graft_config(config_file)
     device = options.device or "cpu"
-    dtype = "float32" if device == "cpu" else "bfloat16"  # as `graftmerge eval` loads a folder by default
+    dtype = eval_dtype or ("float32" if device == "cpu" else "bfloat16")  # `graftmerge eval`'s default
+    dtype = written_dtype(config, plan.post) if dtype == "auto" else dtype
     files = (str(suite.source), *(str(task.data) for task in suite.tasks if task.data is not None))
     evaluation = Evaluation(files, suite.fingerprint, {"dtype": dtype, "device": device, "batch_size": EVAL_BATCH_SIZE})
 
     def make_judge() -> Judge:
-        """θpost loaded for evaluation, and the evaluator (every task checked against its tokenizer)."""
+        """The evaluator (every task checked against θpost's tokenizer) and how to load θpost's weights."""
         tokenizer = load_tokenizer(plan.post, trust_remote_code=options.trust_remote_code)
         evaluator = Evaluator(suite, tokenizer, device=device, batch_size=EVAL_BATCH_SIZE,
-                              progress=not options.quiet, splits=("validation", "test"))  # before the weights load
-        model, _ = load_model_for_eval(plan.post, device=device, dtype=dtype,
-                                       trust_remote_code=options.trust_remote_code)
-        return Judge(model, lambda scored, splits: evaluator.score(scored, splits),
+                              progress=not options.quiet, splits=("validation", "test"))
+
+        def load_model():
+            """θpost's weights, as `graftmerge eval` loads a folder."""
+            return load_model_for_eval(plan.post, device=device, dtype=dtype,
+                                       trust_remote_code=options.trust_remote_code)[0]
+
+        return Judge(load_model, lambda scored, splits: evaluator.score(scored, splits),
                      lambda scores, split: role_scores(evaluator.suite, scores, split))
 
     outcome = run_sweep_eval(config, source, plan, lambdas, rhos, out_dir, options, evaluation, make_judge,

@@ -50,6 +50,7 @@ from mergekit.io.tasks import LoaderCache
 from tqdm import tqdm
 
 from graftmerge.errors import GraftError
+from graftmerge.formats.json_file import parse_json_bytes
 from graftmerge.formats.output_folder import OVERWRITE, OutputFolder, check_not_inputs, locked
 from graftmerge.formats.results_log import ResultsLog, read_log
 from graftmerge.math.frontier import choose, pareto_frontier, qualifies
@@ -88,9 +89,13 @@ class Evaluation:
 
 @dataclass
 class Judge:
-    """The evaluation model (θpost, loaded once; the sweep overwrites its weights point by point) and its scorer."""
+    """How to load θpost as the evaluation model (the sweep overwrites its weights point by point), and the scorer.
 
-    model: torch.nn.Module | None
+    The model is loaded when a score is first needed and let go while the grid's scoring pass
+    runs and while folders are written, so it never adds to their memory.
+    """
+
+    load_model: Callable[[], torch.nn.Module]
     score: Callable[[torch.nn.Module, tuple[str, ...]], dict[str, dict[str, float]]]  # {task: {split: raw}}
     roles: Callable[[dict, str], dict[str, float]]  # (scores, split) → {"old": x, "new": y}, normalised
 
@@ -122,6 +127,19 @@ def check_keep(keep: str) -> str:
     if keep not in KEEP:
         raise GraftError(f"--keep must be one of {', '.join(KEEP)}, got {keep!r}")
     return keep
+
+
+def written_dtype(config, post_folder: str) -> str:
+    """The dtype a sweep's folders declare (mergekit: out_dtype, else dtype, else the post model's config.json)."""
+    if config.out_dtype or config.dtype:
+        return config.out_dtype or config.dtype
+    path = Path(post_folder, "config.json")
+    try:
+        found = parse_json_bytes(path.read_bytes(), str(path), "model config")
+    except OSError as error:
+        raise GraftError(f"cannot read {path} ({error.strerror})") from error
+    dtype = found.get("dtype") or found.get("torch_dtype") if isinstance(found, dict) else None
+    return dtype if isinstance(dtype, str) else "float32"
 
 
 def _inputs_digest(inputs: GraftInputs) -> str:
@@ -343,10 +361,12 @@ class _EvalSweep:
         self._scratch: Path | None = None
         self._weights: ModelWeights | None = None
         self._loaded: GridPoint | None = None  # the point whose graft the evaluation model holds
+        self._model: torch.nn.Module | None = None
 
     def _opened(self) -> _Grid:
         """The grid, opened (scoring pass included) the first time a point is grafted or written."""
         if self._grid is None:
+            self.release_model()  # the scoring pass runs without it: their memory does not add up
             self._scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=self.out))
             self._stack.callback(shutil.rmtree, self._scratch, True)
             self._grid = self._stack.enter_context(_opened_grid(self.config, self.inputs, self.plans, self.loaded,
@@ -362,11 +382,11 @@ class _EvalSweep:
         grid = self._opened() if point is not None else None  # its scoring pass is the grid's, not this point's
         start = time.perf_counter()
         if grid is not None and point != self._loaded:  # the model may hold it still (scoring changes no weight)
-            self._weights = self._weights or ModelWeights(self.judge.model)
+            self._weights = self._weights or ModelWeights(self._evaluation_model())
             self._loaded = None
             grid.load(point, self._weights)
             self._loaded = point
-        scores = self.judge.score(self.judge.model, splits)
+        scores = self.judge.score(self._evaluation_model(), splits)
         roles = {split: self.judge.roles(scores, split) for split in splits}
         record = {**fields, "splits": list(splits), "scores": scores, "roles": roles}
         problem = _first_nan(scores, roles)
@@ -388,10 +408,15 @@ class _EvalSweep:
                 progress.update()
         return found
 
+    def _evaluation_model(self) -> torch.nn.Module:
+        """θpost loaded for evaluation (again, after the scoring pass), or whichever point it holds now."""
+        if self._model is None:
+            self._model = self.judge.load_model()
+        return self._model
+
     def release_model(self) -> None:
-        """Let the evaluation model go, its memory given back (the folders are written without it)."""
-        self._weights = self._loaded = None
-        self.judge.model = None
+        """Let the evaluation model go, its memory given back (the scoring pass and the writing run without it)."""
+        self._weights = self._loaded = self._model = None
         gc.collect()
         FreedMemory().step()
 
