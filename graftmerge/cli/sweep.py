@@ -1,4 +1,4 @@
-"""``graftmerge sweep CONFIG --lambda ... --rho ... -o DIR``: a grid of grafts from one read of the inputs."""
+"""``graftmerge sweep CONFIG --lambda ... --rho ... -o DIR [--eval TASKS]``: a grid of grafts from one read of the inputs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ from mergekit.options import MergeOptions, add_merge_options
 
 from graftmerge.adapter import import_hook
 from graftmerge.cli.plan import parse_values
+from graftmerge.errors import GraftError
+
+KEEP_CHOICES = ("best", "frontier", "all")  # graftmerge.pipeline.sweep_eval.KEEP (not imported: --help stays fast)
+EVAL_BATCH_SIZE = 16
 
 
 @click.command("sweep")
@@ -16,9 +20,22 @@ from graftmerge.cli.plan import parse_values
 @click.option("--rho", "rho_list", required=True, metavar="R1,R2,...",
               help="Comma-separated ρ values, each in [0, 1); 0 = no mask.")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="New (or empty) folder; receives one model folder per (λ, ρ).")
+              help="New (or empty) folder; receives one model folder per (λ, ρ) (with --eval: see below).")
+@click.option("--eval", "tasks_file", type=click.Path(dir_okay=False), default=None, metavar="TASKS.yml",
+              help="Score every grid point on the tasks' validation splits and keep only the one the rule "
+                   "chooses (OUTPUT/best/); see docs/sweeps.md.")
+@click.option("--tolerance", type=float, default=None, metavar="τ",
+              help="With --eval: how far the chosen point's old-role validation score may fall below "
+                   "θpost's, on the normalised [0, 1] scale (default 0.01).")
+@click.option("--keep", type=click.Choice(KEEP_CHOICES), default=None,
+              help="With --eval: which model folders to write: best (default: OUTPUT/best/ only), "
+                   "frontier (also each Pareto-frontier point's) or all (also every point's).")
+@click.option("--eval-dtype", type=click.Choice(["float32", "bfloat16", "float16", "auto"]), default=None,
+              help="With --eval: the evaluation model's dtype, as `graftmerge eval --dtype` [default: float32 on "
+                   "CPU, bfloat16 with --cuda; auto: the dtype the sweep writes, out_dtype].")
 @add_merge_options
-def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_list: str, out_dir: str) -> None:
+def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_list: str, out_dir: str,
+          tasks_file: str | None, tolerance: float | None, keep: str | None, eval_dtype: str | None) -> None:
     """Graft CONFIG once per (λ, ρ) of a grid, reading the inputs once for all of them.
 
     Writes OUTPUT/lambda-<λ>_rho-<ρ>/ for every pair, each number as Python
@@ -49,7 +66,14 @@ def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_l
     appear at once, only on success.
 
     \b
+    With --eval TASKS.yml each point is grafted in memory and scored on
+    validation (OUTPUT/results.jsonl); the highest new-role score whose
+    old-role score is within τ of θpost's is chosen and written to
+    OUTPUT/best/, with chosen.json and frontier.png. Run it again to resume.
+
+    \b
     graftmerge sweep graft.yml --lambda 0.25,0.5,1 --rho 0,0.001,0.01 -o sweep/ --out-shard-size 500M
+    graftmerge sweep graft.yml --lambda 0.25,0.5,1 --rho 0,0.001,0.01 --eval tasks.yml -o chosen/
     """
     # lazy: the graft plan and the sweep load mergekit's merge code only when the command runs, so --help stays fast
     from graftmerge.pipeline.config_files import read_graft_config
@@ -59,7 +83,87 @@ def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_l
     merge_options.apply_global_options()
     lambdas = parse_values(lambda_list, "--lambda")
     rhos = parse_values(rho_list, "--rho", rho=True)
+    if tasks_file is not None:
+        _sweep_with_eval(merge_options, config_file, lambdas, rhos, out_dir, tasks_file, tolerance, keep, eval_dtype)
+        return
+    if tolerance is not None or keep is not None or eval_dtype is not None:
+        raise GraftError("--tolerance, --keep and --eval-dtype are about evaluated points: they need --eval TASKS.yml")
     config, source, plan = read_graft_config(config_file)
     folders = run_sweep(config, source, plan, grid(lambdas, rhos), out_dir, merge_options)
     for folder in folders:
         click.echo(f"wrote {folder}")
+
+
+def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[float], rhos: list[float], out_dir: str,
+                     tasks_file: str, tolerance: float | None, keep: str | None, eval_dtype: str | None) -> None:
+    """``sweep --eval``: the task file and τ checked first, then the sweep with θpost as the evaluation model."""
+    # lazy: evaluation loads transformers and the task file's data only when --eval is given
+    from graftmerge.evaluation import (
+        Evaluator,
+        load_model_for_eval,
+        load_tasks,
+        load_tokenizer,
+        role_scores,
+    )
+    from graftmerge.pipeline.config_files import read_graft_config
+    from graftmerge.pipeline.sweep_eval import (
+        DEFAULT_TOLERANCE,
+        Evaluation,
+        Judge,
+        check_tolerance,
+        run_sweep_eval,
+        written_dtype,
+    )
+
+    tolerance = check_tolerance(DEFAULT_TOLERANCE if tolerance is None else tolerance)
+    suite = load_tasks(tasks_file)
+    missing = [role for role in ("old", "new") if role not in {task.role for task in suite.tasks}]
+    if missing:
+        raise GraftError(f"{tasks_file}: no task has role {missing[0]}; sweep --eval chooses by the scores of both "
+                         "roles, so it needs a task of each")
+    config, source, plan = read_graft_config(config_file)
+    device = options.device or "cpu"
+    dtype = eval_dtype or ("float32" if device == "cpu" else "bfloat16")  # `graftmerge eval`'s default
+    dtype = written_dtype(config, plan.post) if dtype == "auto" else dtype
+    files = (str(suite.source), *(str(task.data) for task in suite.tasks if task.data is not None))
+    evaluation = Evaluation(files, suite.fingerprint, {"dtype": dtype, "device": device, "batch_size": EVAL_BATCH_SIZE})
+
+    def make_judge() -> Judge:
+        """The evaluator (every task checked against θpost's tokenizer) and how to load θpost's weights."""
+        tokenizer = load_tokenizer(plan.post, trust_remote_code=options.trust_remote_code)
+        evaluator = Evaluator(suite, tokenizer, device=device, batch_size=EVAL_BATCH_SIZE,
+                              progress=not options.quiet, splits=("validation", "test"))
+
+        def load_model():
+            """θpost's weights, as `graftmerge eval` loads a folder."""
+            return load_model_for_eval(plan.post, device=device, dtype=dtype,
+                                       trust_remote_code=options.trust_remote_code)[0]
+
+        return Judge(load_model, lambda scored, splits: evaluator.score(scored, splits),
+                     lambda scores, split: role_scores(evaluator.suite, scores, split))
+
+    outcome = run_sweep_eval(config, source, plan, lambdas, rhos, out_dir, options, evaluation, make_judge,
+                             tolerance=tolerance, keep=keep or "best")
+    _report(outcome, tolerance)
+
+
+def _report(outcome, tolerance: float) -> None:
+    """A few lines: θpost, the chosen point, validation and test role scores, what was written."""
+    def roles(record: dict, split: str) -> str:
+        values = record["roles"].get(split, {})
+        return ", ".join(f"{role} {values[role]:.4f}" if values.get(role) is not None else f"{role} n/a"
+                         for role in ("old", "new"))
+
+    post = outcome.post
+    click.echo(f"θpost: validation {roles(post, 'validation')}; test {roles(post, 'test')}")
+    failed = f", {outcome.failed} failed" if outcome.failed else ""
+    if outcome.chosen is None:
+        click.echo(f"no point within τ = {tolerance:g} of θpost's old-role score ({outcome.qualified} qualified"
+                   f"{failed}): chose θpost; best/ holds the λ = 0 graft")
+    else:
+        click.echo(f"chosen: λ {outcome.chosen.lam:g}, ρ {outcome.chosen.rho:g} (of {outcome.qualified} within "
+                   f"τ = {tolerance:g}{failed}); test {roles(outcome.chosen_test, 'test')}")
+    click.echo("Pareto frontier (λ, ρ): " + ", ".join(f"({p.lam:g}, {p.rho:g})" for p in outcome.frontier))
+    for path in outcome.written:
+        click.echo(f"wrote {path}")
+    click.echo(f"wrote {outcome.folder / 'results.jsonl'}, chosen.json, frontier.png")

@@ -55,7 +55,7 @@ import signal
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from graftmerge.errors import GraftError
@@ -443,6 +443,27 @@ class OutputFolder:
         if self._lock is not None:
             _release_lock(self.out, self._lock)
             self._lock = None
+
+
+@contextlib.contextmanager
+def locked(out: str | os.PathLike) -> Iterator[Path]:
+    """OUT's lock (step 1) without staging, for a folder a command fills in place and resumes (``sweep --eval``).
+
+    Creates OUT's parent, refuses a parent anyone may write (no sticky bit), holds ``.NAME.lock``
+    beside OUT while the block runs (another process asking for OUT fails at once) and removes it
+    after. Yields OUT as an absolute path; creates nothing else.
+    """
+    path = output_path(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise GraftError(f"cannot create {path.parent} ({error.strerror})") from error
+    check_parent(path)
+    handle = _acquire_lock(path)
+    try:
+        yield path
+    finally:
+        _release_lock(path, handle)
 
 
 def _swap(out: Path, staging: Path, old_name: str) -> None:

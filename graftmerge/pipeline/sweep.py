@@ -327,13 +327,22 @@ def _write_grid(config, source: str, runs: dict[GridPoint, MergeRun], staging: P
     )
     folders = {point: staging / point.folder for point in runs}
     spill.mkdir(parents=True, exist_ok=True)
-    writers = {point: SpillingWriter(folder, spill, options) for point, folder in folders.items()}
+    writers = {point: _writer(folder, spill, options, len(folders)) for point, folder in folders.items()}
     for save in tqdm(saves, desc=f"graft sweep ({len(runs)} models)", disable=options.quiet, unit="tensor"):
         _write_tensor(save, runs, writers, refs, device, options, freed)
         freed.step()  # this tensor's inputs, before the next one's are read
     for point, writer in writers.items():
         writer.finalize()
         _write_model_files(config, source, point, str(folders[point]), out_config, arch_info, options)
+
+
+def _writer(folder: Path, spill: Path, options, models: int) -> TensorWriter:
+    """mergekit's own TensorWriter for a single model (its shard buffer is what one merge holds, and nothing is
+    written twice); a SpillingWriter per model when a grid writes several."""
+    if models == 1:
+        return TensorWriter(str(folder), max_shard_size=options.out_shard_size,
+                            safe_serialization=options.safe_serialization)
+    return SpillingWriter(folder, spill, options)
 
 
 def _write_tensor(save, runs: dict[GridPoint, MergeRun], writers: dict, refs: tuple, device: str, options,
