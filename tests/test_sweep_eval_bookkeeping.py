@@ -206,7 +206,8 @@ def test_in_memory_scores_equal_the_written_folders_scores(setup, fresh):
 
 
 def test_in_memory_scores_equal_the_folders_scores_in_bfloat16_too(setup, tmp_path):
-    """An evaluation model in bfloat16 (``--eval-dtype``): each graft is cast to out_dtype, then to the model's dtype."""
+    """An evaluation model in bfloat16 (``--eval-dtype``): each graft is cast to out_dtype, then to the model's
+    dtype."""
     out = tmp_path / "out"
     sweep(setup, out, keep="all", dtype=torch.bfloat16, settings={"dtype": "bfloat16"})
     judge = WeightJudge(setup["models"])

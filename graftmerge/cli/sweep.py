@@ -1,4 +1,5 @@
-"""``graftmerge sweep CONFIG --lambda ... --rho ... -o DIR [--eval TASKS]``: a grid of grafts from one read of the inputs."""
+"""``graftmerge sweep CONFIG --lambda ... --rho ... -o DIR [--eval TASKS]``: a grid of grafts from one read of the
+inputs."""
 
 from __future__ import annotations
 

@@ -525,7 +525,8 @@ def run_sweep_eval(config, source: str, plan: GraftPlan, lambdas: list[float], r
     tolerance, keep = check_tolerance(tolerance), check_keep(keep)
     points = grid(lambdas, rhos)
     plans = check_sweepable(config, points, plan)
-    read = [*plan_inputs(plan), *((("task file" if i == 0 else "task data"), f) for i, f in enumerate(evaluation.files))]
+    tasks = [("task file" if i == 0 else "task data", file) for i, file in enumerate(evaluation.files)]
+    read = [*plan_inputs(plan), *tasks]
     check_not_inputs(out_dir, read)  # before anything else: DIR may be none of the inputs
     loaded = check_mergekit_inputs(config, options.allow_crimes, options.trust_remote_code)
     masked = [p for p in plans.values() if p.masked]
