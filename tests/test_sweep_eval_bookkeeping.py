@@ -28,10 +28,9 @@ from graftmerge.cli import main
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.pipeline.config_files import read_graft_config
-from graftmerge.pipeline.graft import forget_process_state
 from graftmerge.pipeline.sweep_eval import Evaluation, Judge, run_sweep_eval
 from tests.helpers.models import tree_digest
-from tests.helpers.runners import one_line_error, run_cli
+from tests.helpers.runners import forget_process_state, one_line_error, run_cli
 
 LAMBDAS, RHOS = [0.5, 1.0], [0.0, 0.05]
 CONFIG = """merge_method: graft
