@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 from safetensors.torch import load_file
 
 from graftmerge.errors import GraftError
@@ -33,6 +32,7 @@ from graftmerge.formats.peft_rules import check_adapter_config, pattern_key, pef
 from graftmerge.pipeline.lora_inputs import lora_delta_state_dict
 from graftmerge.testing.tiny_models import ARCHITECTURES, make_graft_inputs, save_tiny_model
 from tests.helpers.configs import graft_yaml
+from tests.helpers.lora import make_adapter as make_random_adapter
 from tests.helpers.models import assert_identical, read_model, tree_digest
 from tests.helpers.runners import run_cli, run_process
 
@@ -59,15 +59,7 @@ UNBOUNDED = {
 
 def make_adapter(base: Path, out: Path, **config) -> Path:
     """A PEFT LoRA of the tiny Qwen3 ``base`` with random non-zero factors, saved by PEFT."""
-    model = transformers.Qwen3ForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(**config))
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
-    model.save_pretrained(out)
-    return out
+    return make_random_adapter(base, out, "qwen3", seed=7, **config)
 
 
 def with_config(adapter: Path, target: Path, changes: dict) -> Path:
