@@ -107,6 +107,23 @@ def test_lm_eval_entry_through_the_cli(harness_setup):
     assert re.search(r"^probe\s+old\s+lm_eval:graft_probe/acc\s+validation\s+0\.\d{4}", result.stdout, re.M)
 
 
+def test_no_progress_silences_the_harness_bars_and_puts_its_tqdm_back(harness_setup, capsys):
+    """``--no-progress`` reaches the harness's own bars (request building, scoring), and only for the call."""
+    import lm_eval.api.task
+    import lm_eval.models.huggingface
+
+    originals = (lm_eval.api.task.tqdm, lm_eval.models.huggingface.tqdm)
+    suite = load_tasks(harness_setup["root"] / "tasks.yml")
+    for progress in (True, False):
+        evaluator = Evaluator(suite, harness_setup["tokenizer"], batch_size=4, progress=progress)
+        capsys.readouterr()
+        evaluator.score(harness_setup["model"], ("validation",), only_present=True)
+        err = capsys.readouterr().err
+        bars = re.findall(r"[^\r\n]*\d+%\|", err)
+        assert bool(bars) == progress, bars
+    assert (lm_eval.api.task.tqdm, lm_eval.models.huggingface.tqdm) == originals
+
+
 def test_a_metric_the_task_does_not_report_is_refused(harness_setup, tmp_path):
     (tmp_path / "tasks.yml").write_text(
         f"tasks:\n  - name: probe\n    role: old\n    lm_eval: {{task: graft_probe, include_path: "

@@ -57,6 +57,43 @@ def quiet_harness():
         logger.setLevel(level)
 
 
+# The harness's modules that draw progress bars with a module-level ``tqdm`` and no switch
+# that ``evaluate`` passes down (request building, HFLM's scoring loops).
+HARNESS_BAR_MODULES = ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface")
+
+
+def silenced(bar):
+    """``bar`` with ``disable=True`` forced (the harness passes its own ``disable=False``)."""
+
+    def make(*args, **kwargs):
+        return bar(*args, **{**kwargs, "disable": True})
+
+    return make
+
+
+@contextlib.contextmanager
+def harness_progress(enabled: bool):
+    """The harness's progress bars on or off for the block (``--no-progress`` reaches them too).
+
+    ``evaluate`` offers no switch for them, so the block swaps those modules' ``tqdm`` for one
+    that always passes ``disable=True``, and puts the original back however the block ends.
+    """
+    if enabled:
+        yield
+        return
+    import importlib
+
+    modules = [importlib.import_module(name) for name in HARNESS_BAR_MODULES]
+    saved = [module.tqdm for module in modules]
+    for module, original in zip(modules, saved):
+        module.tqdm = silenced(original)
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, saved):
+            module.tqdm = original
+
+
 @dataclass
 class HarnessTask:
     """One lm_eval entry resolved: the harness's task object, its metric and our split names."""
@@ -109,7 +146,8 @@ def resolve(task: Task) -> HarnessTask:
     return HarnessTask(resolved, harness_task, manager)
 
 
-def score_harness_task(entry: HarnessTask, model, tokenizer, split: str, batch_size: int) -> float:
+def score_harness_task(entry: HarnessTask, model, tokenizer, split: str, batch_size: int,
+                       progress: bool = True) -> float:
     """The entry's metric on ``split`` of its harness task, computed by the harness on ``model`` in memory.
 
     Through the harness's ``evaluate`` (not ``simple_evaluate``, which also reseeds the
@@ -130,7 +168,7 @@ def score_harness_task(entry: HarnessTask, model, tokenizer, split: str, batch_s
     if split == "validation":
         task.config.test_split = None  # the harness scores test_split when there is one, else validation_split
     try:
-        with quiet_harness():
+        with quiet_harness(), harness_progress(progress):
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
             results = lm_eval.evaluator.evaluate(
                 lm=lm, task_dict={"tasks": {spec.task: task}}, limit=spec.limit, bootstrap_iters=0,

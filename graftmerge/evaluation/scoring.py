@@ -119,7 +119,8 @@ class Evaluator:
 
     def _score_task(self, model, task: Task, split: str) -> float:
         if task.lm_eval is not None:
-            return score_harness_task(self.harness[task.name], model, self.tokenizer, split, self.batch_size)
+            return score_harness_task(self.harness[task.name], model, self.tokenizer, split, self.batch_size,
+                                      progress=self.progress)
         examples = [p for p, e in zip(self.prepared[task.name], task.examples) if e.split == split]
         desc = f"{task.name} ({split})"
         if task.metric == "nll":
