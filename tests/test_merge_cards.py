@@ -32,7 +32,7 @@ from graftmerge.pipeline.merge_cards import DataInputs, merge_card
 from graftmerge.pipeline.sweep_eval import Evaluation, Judge, run_sweep_eval
 from graftmerge.testing.hf_cache import place_in_hf_cache
 from tests.helpers.configs import graft_yaml
-from tests.helpers.runners import forget_process_state, run_cli
+from tests.helpers.runners import forget_process_state, run_cli, run_process
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +96,14 @@ def test_model_hub_id_names_cached_snapshots_and_hub_ids_only(offline_cache, tie
 
 def test_mergekit_yaml_graft_card_names_snapshot_inputs_and_the_fisher_cache(
         offline_cache, tied_models, tied_diag_cache, tmp_path):
-    """A cached snapshot folder is named by its Hub id; a plain folder is not; the cache's facts are its own."""
+    """A cached snapshot folder is named by its Hub id; a plain folder is not; the cache's facts are its own.
+
+    A real process: mergekit imports its card module, its registry and graft's hook in its own order."""
     post = snapshot(offline_cache, "acme/tiny-post")
     config = tmp_path / "graft.yml"
     config.write_text(graft_yaml(post, tied_models["donor"], [(tied_models["donor_ft"], 0.5)], rho=0.02, lam=0.75,
                                  fisher=tied_diag_cache, scope="tensor"))
-    result = run_cli("mergekit-yaml", str(config), str(tmp_path / "out"))
+    result = run_process("mergekit-yaml", str(config), str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr[-3000:]
     card = card_of(tmp_path / "out")
     data = card.data.to_dict()

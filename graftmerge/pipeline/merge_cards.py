@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mergekit.card import method_md
 from mergekit.merge_methods import registry as mergekit_registry
 
 from graftmerge.errors import GraftError
@@ -61,7 +60,7 @@ def write_merge_card(folder: str | os.PathLike, config, config_source: str | Non
 def merge_card(config, config_source: str, name: str, data: DataInputs) -> str:
     """The card's markdown: inputs and settings from ``config``, caches and notes from ``data``."""
     return render_merge_card(
-        name=name, method=config.merge_method, method_link=method_md(config.merge_method),
+        name=name, method=config.merge_method, method_link=method_link(config.merge_method),
         inputs=card_inputs(config), settings=effective_settings(config), caches=named_caches(config, data),
         config_yaml=config_source, notes=data.notes,
     )
@@ -91,15 +90,32 @@ def card_inputs(config) -> list[CardInput]:
     return inputs
 
 
+def _method_spec(method: str):
+    """mergekit's spec of ``method`` (name, pretty name, paper, parameters); None for one it cannot describe."""
+    try:
+        return mergekit_registry.get(method).spec
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def method_link(method: str) -> str:
+    """The method's name, linked to its paper where mergekit knows one (as mergekit's own card shows it).
+
+    Not ``mergekit.card.method_md``: mergekit.card imports the registry whose import hook loads this module.
+    """
+    spec = _method_spec(method)
+    if spec is None:
+        return f"`{method}`"
+    name = spec.pretty_name or spec.name
+    return f"[{name}]({spec.reference_url})" if spec.reference_url and spec.reference_url.strip() else name
+
+
 def effective_settings(config) -> dict[str, Any]:
     """The global parameters the merge ran with: the config's, and the method's defaults for the rest
     (those without a value, like graft's internal run id, are left out)."""
     written = dict(config.parameters or {})
     settings: dict[str, Any] = {}
-    try:
-        spec = mergekit_registry.get(config.merge_method).spec
-    except (RuntimeError, AttributeError):  # a method mergekit cannot describe: the config's values only
-        spec = None
+    spec = _method_spec(config.merge_method)  # None: the config's values only
     for parameter in spec.shared_parameters if spec is not None else ():
         if parameter.name in written:
             settings[parameter.name] = written.pop(parameter.name)
