@@ -16,15 +16,30 @@ from pathlib import Path
 from huggingface_hub import constants
 
 from graftmerge.errors import GraftError
-from graftmerge.hub.references import HubReference, check_revision
+from graftmerge.hub.references import HubReference, check_revision, is_repo_id
 from graftmerge.hub.untrusted import check_cache_folder, replace_file
 
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+# A model snapshot folder in any Hugging Face cache: .../models--org--name/snapshots/<commit>
+_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})/?$")
 
 
 def storage_folder(cache_dir: Path, repo_id: str) -> Path:
     """The repo's folder in the cache layout (``models--org--name``), where refs and snapshots live."""
     return cache_dir / ("models--" + repo_id.replace("/", "--"))
+
+
+def snapshot_origin(folder: str | os.PathLike) -> tuple[str, str] | None:
+    """(repo id, commit) when ``folder``, links followed, is a model snapshot of a Hugging Face cache; else None.
+
+    The inverse of :func:`storage_folder` plus ``snapshots/<commit>``: how a merge of cached
+    checkpoints (``graftmerge merge`` hands mergekit their snapshot folders) names its inputs by Hub id.
+    """
+    match = _SNAPSHOT.search(os.path.realpath(os.fspath(folder)))
+    if match is None:
+        return None
+    repo_id = f"{match['org']}/{match['name']}"
+    return (repo_id, match["commit"]) if is_repo_id(repo_id) else None
 
 
 def cache_folder(cache_dir: str | os.PathLike | None) -> Path:

@@ -1,7 +1,7 @@
 """Hub-id models of a mergekit config, pointed at their local Hugging Face cache snapshots.
 
 :func:`resolve_model_folder` gives any model reference's local folder: the path itself,
-or its cached snapshot.
+or its cached snapshot; :func:`model_hub_id` goes the other way, for model cards.
 
 mergekit resolves ``org/name`` by listing the repo on the Hub, which fails offline even
 when the checkpoint is cached; replacing each such reference by its snapshot folder
@@ -21,6 +21,7 @@ from mergekit.common import ModelPath, ModelReference
 from pydantic import BaseModel
 
 from graftmerge.errors import GraftError
+from graftmerge.hub.cache_layout import snapshot_origin
 from graftmerge.hub.references import check_revision, hub_reference_or_none
 from graftmerge.hub.untrusted import check_snapshot_tree
 
@@ -101,3 +102,17 @@ def resolve_model_folder(path: str, revision: str | None = None) -> str:
             f"(download it first: `hf download {path}`)"
         )
     raise GraftError(f"model folder {path} does not exist")
+
+
+def model_hub_id(path: str) -> str | None:
+    """The Hub id a model reference stands for, for a card's ``base_model``: a local folder that is a
+    cached snapshot (``.../models--org--name/snapshots/<sha>`` → ``org/name``), a Hub id as written
+    (``org/name``, ``org/name@rev``, ``hf://...``); None for a plain local folder or anything else."""
+    if os.path.exists(path):
+        origin = snapshot_origin(path)
+        return origin[0] if origin is not None else None
+    try:
+        reference = hub_reference_or_none(path)
+    except GraftError:  # a malformed revision: not a Hub id this card can name
+        return None
+    return reference.repo_id if reference is not None else None

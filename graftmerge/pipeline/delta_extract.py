@@ -52,11 +52,14 @@ from graftmerge.formats.lora_writer import (
     write_lora_adapter,
 )
 from graftmerge.formats.output_folder import NEW, OutputFolder, check_not_inputs
+from graftmerge.hub.cache_layout import snapshot_origin
+from graftmerge.hub.merge_cards import render_adapter_card
 from graftmerge.hub.untrusted import read_json_bytes, without_remote_code
 from graftmerge.math.delta_stats import l2_norm
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.low_rank import truncated_svd
 
+ADAPTER_CARD = "README.md"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_SHARD_BYTES = 2 * 10**9
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
@@ -273,6 +276,7 @@ def extract_lora(
             donor_checkpoint.folder.resolve()), revision=revision, dtype=DTYPES[dtype])
         manifest.update(table, target_modules=config["target_modules"], tied_embedding_adapted=sorted(
             f.module for f in factors if f.module == layers.embedding and layers.tied))
+        _write_adapter_card(folder.staging, manifest, donor_checkpoint.folder, ft_checkpoint.folder)
         (folder.staging / (LORA_MANIFEST_NAME + ".tmp")).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         os.replace(folder.staging / (LORA_MANIFEST_NAME + ".tmp"), folder.staging / LORA_MANIFEST_NAME)
         _make_shareable(folder.staging)
@@ -280,6 +284,13 @@ def extract_lora(
     finally:
         folder.close()
     return LoraExtraction(path=output, manifest=manifest)
+
+
+def _write_adapter_card(staging: Path, manifest: dict, donor: Path, donor_ft: Path) -> None:
+    """README.md: PEFT's library and the donor's Hub id (a cached snapshot's) as base_model, for the model tree."""
+    base_model, fine_tune = (origin[0] if origin else None for origin in map(snapshot_origin, (donor, donor_ft)))
+    card = render_adapter_card(manifest, base_model, fine_tune)
+    (staging / ADAPTER_CARD).write_text(card, encoding="utf-8")
 
 
 def _factor_tensors(donor: Checkpoint, donor_ft: Checkpoint, layers: ModelLayers, rank: int, weight: float,

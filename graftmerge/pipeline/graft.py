@@ -24,6 +24,7 @@ from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.global_threshold import GlobalThreshold
 from graftmerge.math.projection import remove_masked, remove_masked_coordinates, remove_masked_pairs
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
+from graftmerge.pipeline import merge_cards  # as a module: it imports mergekit's registry, whose hook imports graft
 from graftmerge.pipeline.finite_values import check_delta, check_result
 from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config, plan_inputs
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit, scored_delta
@@ -217,6 +218,8 @@ def run_graft_merge(run_mergekit: RunMergekit, merge_config, out_path: str, opti
             run.inputs.check_unchanged()  # the pass read what was validated
             result = run_mergekit(run, config, str(output.staging), options=options, config_source=config_source)
         _check_before_publish(run)
+        if options.write_model_card:  # graftmerge's card replaces mergekit's: the model tree, the cache and the mask
+            merge_cards.write_merge_card(output.staging, merge_config, config_source, merge_cards.graft_card_data(run))
         return result
 
 

@@ -45,7 +45,6 @@ from pathlib import Path
 import torch
 import yaml
 from mergekit.architecture import get_architecture_info
-from mergekit.card import generate_card
 from mergekit.common import dtype_from_name
 from mergekit.config import MergeConfiguration
 from mergekit.graph import Executor
@@ -62,6 +61,7 @@ from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.pipeline.graft import graft_opened
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan, plan_inputs
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
+from graftmerge.pipeline.merge_cards import DataInputs, graft_card_data, write_merge_card
 from graftmerge.pipeline.merge_run import MergeRun
 from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs
 from graftmerge.pipeline.plan import grid_views, score_pass
@@ -333,7 +333,8 @@ def _write_grid(config, source: str, runs: dict[GridPoint, MergeRun], staging: P
         freed.step()  # this tensor's inputs, before the next one's are read
     for point, writer in writers.items():
         writer.finalize()
-        _write_model_files(config, source, point, str(folders[point]), out_config, arch_info, options)
+        _write_model_files(config, source, point, str(folders[point]), out_config, arch_info, options,
+                           graft_card_data(runs[point]))
 
 
 def _writer(folder: Path, spill: Path, options, models: int) -> TensorWriter:
@@ -410,14 +411,15 @@ def _load_group(task, device: str) -> dict | None:
     return present
 
 
-def _write_model_files(config, source: str, point: GridPoint, folder: str, out_config, arch_info, options) -> None:
-    """config.json, model card, tokenizer and tag-along files, as mergekit's run_merge writes them."""
+def _write_model_files(config, source: str, point: GridPoint, folder: str, out_config, arch_info, options,
+                       card_data: DataInputs) -> None:
+    """config.json, model card (graftmerge's, as a single merge writes it), tokenizer and tag-along files, as
+    mergekit's run_merge writes them."""
     out_config.save_pretrained(folder)
     point_source = grid_config_source(source, point)
     point_config = MergeConfiguration.model_validate(yaml.safe_load(point_source))
     if options.write_model_card:
-        card = generate_card(config=point_config, config_yaml=point_source, name=os.path.basename(folder))
-        Path(folder, "README.md").write_text(card, encoding="utf-8")
+        write_merge_card(folder, point_config, point_source, card_data)
         Path(folder, "mergekit_config.yml").write_text(point_source, encoding="utf-8")
     if options.copy_tokenizer:
         try:
