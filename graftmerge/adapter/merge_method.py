@@ -42,11 +42,11 @@ from mergekit.merge_methods.base import (
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import InMemoryCheckpoint
+from graftmerge.pipeline import schedule_binding
 from graftmerge.pipeline.graft import graft_in_memory, graft_tensor, run_graft_merge
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, build_plan, positional_roles
 from graftmerge.pipeline.lora_inputs import InMemoryDelta
 from graftmerge.pipeline.merge_run import MergeRun
-from graftmerge.pipeline.schedule_binding import check_bound, scales_from_parameters
 from graftmerge.pipeline.schedules import Schedule
 
 PAPER_URL = "https://arxiv.org/abs/2610.05872"
@@ -132,9 +132,9 @@ class GraftMergeMethod(GroupMergeMethod):
                 raise GraftError(f"model {entry.id} has role {role!r}; roles are donor, donor_ft, delta")
         if donor is None and fine_tunes:  # base_model listed again as role donor: mergekit folds it into the base
             donor = post
-        per_input = {entry.id: {"role": parameters["role"][entry.id], "weight": parameters["weight"][entry.id]}
-                     for entry in group.non_base}
-        check_bound(run.plan, group.metadata.name, parameters, per_input, [entry.id for entry in group.non_base])
+        order = [entry.id for entry in group.non_base]
+        per_input = {key: {"role": parameters["role"][key], "weight": parameters["weight"][key]} for key in order}
+        schedule_binding.check_bound(run.plan, group.metadata.name, parameters, per_input, order)
         return graft_tensor(run, group.metadata.name, post, donor, fine_tunes, deltas)
 
     def _execute(self, groups, parameters, options, *, input_dtypes, out_dtype=None):
@@ -217,7 +217,7 @@ def per_group_schedule(names: list[str], parameters: list[dict[str, Any]], roles
     entries = []
     for name, bound in zip(names, parameters):
         per_input = {key: {"role": roles[key], "weight": bound["weight"][key]} for key in order}
-        entries.append((name, scales_from_parameters(bound, per_input, order)))
+        entries.append((name, schedule_binding.scales_from_parameters(bound, per_input, order)))
     if len({scales for _, scales in entries}) <= 1:
         return None
     return Schedule(tuple(entries))

@@ -24,12 +24,12 @@ from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.global_threshold import GlobalThreshold
 from graftmerge.math.projection import remove_masked, remove_masked_coordinates, remove_masked_pairs
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
+from graftmerge.pipeline import schedule_binding
 from graftmerge.pipeline.finite_values import check_delta, check_result
 from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config, plan_inputs
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit, scored_delta
 from graftmerge.pipeline.merge_run import MergeRun
 from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs, post_architecture
-from graftmerge.pipeline.schedule_binding import bind_schedule
 from graftmerge.pipeline.threshold_pass import (
     check_masked_total,
     compute_global_threshold,
@@ -212,7 +212,7 @@ def run_graft_merge(run_mergekit: RunMergekit, merge_config, out_path: str, opti
         # staging has OUT's basename: mergekit names the model card after it
         with lora_inputs_in_mergekit(merge_config, run.inputs) as config, post_architecture(loaded):
             # schedules resolved per tensor by mergekit's planner, before the threshold pass needs them
-            run.inputs.plan = bind_schedule(plan, config, options, names=run.inputs.post.tensors)
+            run.inputs.plan = schedule_binding.bind_schedule(plan, config, options, names=run.inputs.post.tensors)
             prepare(run, device=options.device or "cpu", progress=not options.quiet,
                     scratch=output.scratch / "kfac-rotations")
             if config is not merge_config and config_source is None:

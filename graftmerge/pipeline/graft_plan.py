@@ -110,6 +110,12 @@ class GraftPlan:
         """The ρ of tensor ``name`` (one ρ for every tensor unless ``rho_scope: tensor`` and a schedule)."""
         return self.scales(name).rho
 
+    def at_point(self, lam: float, rho: float) -> GraftPlan:
+        """This plan at one sweep point, unbound: ``lambda`` replaced by ``lam`` (a scheduled one stays scheduled,
+        multiplied by ``lam`` where it is bound: ``schedules.point_settings``), ``rho`` replaced by ``rho``."""
+        scheduled = tuple(label for label in self.scheduled if label != "rho")
+        return dataclasses.replace(self, lam=lam, rho=rho, scheduled=scheduled, schedule=None)
+
     @property
     def masked(self) -> bool:
         """Whether a Fisher mask is applied (ρ > 0 for some tensor)."""

@@ -6,6 +6,10 @@ needs every tensor's scaled Δ before the merge starts, so the graft asks the sa
 for the same values first: :func:`bind_schedule` plans the merge (no tensor is loaded),
 reads each planned task's parameters and puts them into the plan. The kernel then checks
 that mergekit hands it those very values (:func:`check_bound`).
+
+Modules that the import hook loads while mergekit's merge methods are importing import this
+module as a module (``from graftmerge.pipeline import schedule_binding``), never its names:
+it may itself be the module whose import started that chain.
 """
 
 from __future__ import annotations
@@ -15,9 +19,8 @@ import dataclasses
 import sys
 from collections.abc import Mapping
 
-# Modules, not names: this module is imported while mergekit.merge is still importing (the import hook
-# registers graft from inside it), so its names are looked up when a schedule is bound.
-import mergekit.merge as mergekit_merge
+# A module, not its names: this module may be imported while mergekit's merge methods are still importing
+# (the import hook registers graft from inside them), so MergePlanner is looked up when a schedule is bound.
 import mergekit.plan as mergekit_plan
 from mergekit import merge_methods
 from mergekit.architecture import get_architecture_info
@@ -59,7 +62,8 @@ def bind_schedule(plan: GraftPlan, config, options, names=()) -> GraftPlan:
     spec = merge_methods.get(GRAFT).spec  # registered: mergekit's planner needs it too
     LoaderCache().setup(options=options)
     arch_info = get_architecture_info(config, options)
-    out_config = mergekit_merge._model_out_config(config, arch_info, trust_remote_code=options.trust_remote_code)
+    # mergekit's output config of a `models:` merge (no slices): the base model's own
+    out_config = config.base_model.config(trust_remote_code=options.trust_remote_code)
     planner = mergekit_plan.MergePlanner(copy.deepcopy(config), arch_info, options=options, out_model_config=out_config)
     entries: dict[str, TensorScales] = {}
     # planning only: the tasks are read, never run (nothing is loaded or written)

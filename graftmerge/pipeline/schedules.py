@@ -98,3 +98,25 @@ def check_setting(setting, label: str, low: float | None = None, high: float | N
 def filter_matches(pattern: str, names) -> bool:
     """Whether mergekit's ``filter:`` test (a substring of the tensor's name) holds for any of ``names``."""
     return any(pattern in name for name in names)
+
+
+def scaled_schedule(setting, factor: float):
+    """A schedule with every number multiplied by ``factor`` (each gradient endpoint, each filter's value), as
+    plain data (YAML-ready): what a sweep's λ does to a scheduled ``lambda``."""
+    if isinstance(setting, ConditionalParameter):
+        setting = setting.model_dump(exclude_none=True)
+    if isinstance(setting, dict):
+        return {**setting, "value": scaled_schedule(setting["value"], factor)}
+    if isinstance(setting, (list, tuple)):
+        return [scaled_schedule(item, factor) for item in setting]
+    return factor * float(setting)
+
+
+def point_settings(parameters, lam: float, rho: float) -> dict:
+    """A config's global parameters at one sweep point: ``lambda`` replaced by ``lam`` (a scheduled one
+    multiplied by it, ``scaled_schedule``), ``rho`` replaced by ``rho`` (a schedule too); plain data."""
+    found = dict(parameters or {})
+    setting = found.get("lambda")
+    found["lambda"] = scaled_schedule(setting, lam) if is_schedule(setting) else lam
+    found["rho"] = rho
+    return found
