@@ -91,8 +91,8 @@ class GraftPlan:
                                  "merge of this tensor)")
             return found
         if self.scheduled:
-            raise GraftError(f"graft parameter {self.scheduled[0]} is a schedule that was not resolved per tensor "
-                             "(run the config through mergekit, or pass PerGroupValues to merge_state_dicts)")
+            raise GraftError(f"graft parameter {self.scheduled[0]} is a per-layer schedule, which this command does "
+                             "not resolve (merge, mergekit-yaml, plan and sweep do); give it a single value here")
         return TensorScales(self.lam, tuple(f.weight for f in self.fine_tunes),
                             tuple(d.weight for d in self.deltas), self.rho)
 

@@ -50,12 +50,12 @@ def scales_from_parameters(shared: Mapping, per_input: Mapping, order) -> Tensor
     return TensorScales(float(shared["lambda"]), tuple(weights), tuple(delta_weights), float(shared["rho"]))
 
 
-def bind_schedule(plan: GraftPlan, config, options, names=()) -> GraftPlan:
+def bind_schedule(plan: GraftPlan, config, options, names=(), warn: bool = True) -> GraftPlan:
     """``plan`` with every tensor's scales as mergekit resolves them for ``config`` (the config mergekit runs:
     LoRA inputs in their mergekit view); ``plan`` itself when nothing is scheduled.
 
     ``names``: tensors of the inputs that mergekit plans no merge for (resolved as mergekit resolves a
-    tensor outside the layers, at t = 0). A ``filter:`` that matches no tensor is warned about, once.
+    tensor outside the layers, at t = 0). A ``filter:`` that matches no tensor is warned about (``warn``).
     """
     if not plan.scheduled:
         return plan
@@ -75,7 +75,8 @@ def bind_schedule(plan: GraftPlan, config, options, names=()) -> GraftPlan:
         entries[save.tensor_name] = scales_from_parameters(dict(task.parameters), per_input, task.model_order)
     for name in sorted(set(names) - set(entries)):
         entries[name] = _resolve_outside_layers(spec, config, name)
-    warn_unmatched_filters(config, entries)
+    if warn:
+        warn_unmatched_filters(config, entries)
     bound = dataclasses.replace(plan, schedule=Schedule(tuple(sorted(entries.items()))))
     bound.check()
     return bound

@@ -259,9 +259,9 @@ def point_config(config, point: GridPoint):
 def bind_grid(plans: dict[GridPoint, GraftPlan], config, options, inputs: GraftInputs) -> dict[GridPoint, GraftPlan]:
     """Each point's plan with its schedule resolved by mergekit on that point's config (``config``: the one
     mergekit runs, LoRA inputs in their view); the plans themselves when nothing is scheduled."""
-    bind = schedule_binding.bind_schedule
-    return {point: bind(plan, point_config(config, point), options, names=inputs.post.tensors)
-            for point, plan in plans.items()}
+    bind = schedule_binding.bind_schedule  # a filter that matches nothing is warned about once, not per point
+    return {point: bind(plan, point_config(config, point), options, names=inputs.post.tensors, warn=index == 0)
+            for index, (point, plan) in enumerate(plans.items())}
 
 
 def check_sweepable(config, points: list[GridPoint], plan: GraftPlan) -> dict[GridPoint, GraftPlan]:
