@@ -143,7 +143,6 @@ class GraftPlan:
                 "graft parameter rho > 0 needs `fisher: <Fisher cache folder>` (see graftmerge fisher estimate)"
             )
 
-
     def _check_schedule(self) -> None:
         """A per-tensor ρ needs ``rho_scope: tensor``; every bound value is finite (ρ in [0, 1))."""
         per_tensor_rho = "rho" in self.scheduled or (
@@ -479,8 +478,8 @@ def positional_roles(non_base_ids: Sequence[Hashable], given: Mapping[Hashable, 
 
 def _scalar(value, label: str):
     if is_schedule(value):
-        raise GraftError(f"graft parameter {label} must be a single value (schedules, gradient lists and filters, "
-                         "are for lambda, rho under rho_scope: tensor, and the weight of a donor_ft or delta)")
+        raise GraftError(f"graft parameter {label} must be a single value (per-layer schedules, gradient lists or "
+                         "filters, are for lambda, the weight of a donor_ft or delta, and rho under rho_scope: tensor)")
     return value
 
 
