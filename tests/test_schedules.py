@@ -10,7 +10,9 @@ scored, and a global mask still ranks the whole model against one exact threshol
 from __future__ import annotations
 
 import json
+import math
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import yaml
 from mergekit.merge_methods import PerGroupValues, merge_state_dicts
 
 from graftmerge.errors import GraftError
+from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model
 from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
 from tests.helpers.models import assert_identical, read_model
@@ -126,6 +129,38 @@ def test_schedule_equals_brute_force(models, caches, merged, cache, scope):
     assert sum(masked.values()) > 0
     if scope == "tensor":  # the filter's ρ = 0 for the embedding, the gradient's elsewhere
         assert masked["model.embed_tokens.weight"] == 0 and masked["model.layers.0.mlp.up_proj.weight"] > 0
+
+
+@pytest.mark.parametrize("scope", ["global", "tensor"])
+def test_float64_reference_masks_the_same_coordinates(models, caches, merged, scope):
+    """Dense float64, the whole model at once: every coordinate's Δ = Σ λ(t)·w(t)(θft − θdonor), score F·Δ², one
+    stable top-⌈ρ·n⌉ (ρ read as the decimal it prints as; global, or per tensor with ρ(t)); the merge zeroes
+    exactly those Δ and keeps the others."""
+    cache = open_fisher_cache(caches["diagonal"])
+    post, donor = read_model(models["post"]), read_model(models["donor"])
+    fine_tunes = [(read_model(models["donor_ft"]), FT_WEIGHT), (read_model(models["donor_ft2"]), FT2_WEIGHT)]
+    names = sorted(post)
+    deltas = {n: sum(evaluate(LAMBDA, n) * evaluate(w, n) * (ft[n].double() - donor[n].double())
+                     for ft, w in fine_tunes) for n in names}
+    scores = {n: cache.diagonal(n).double() * deltas[n].square() for n in names}
+
+    def top(flat: torch.Tensor, rho: float) -> torch.Tensor:
+        k = math.ceil(Fraction(repr(rho)) * flat.numel())
+        chosen = torch.zeros_like(flat, dtype=torch.bool)
+        chosen[torch.sort(flat, descending=True, stable=True).indices[:k]] = True
+        return chosen & (flat > 0)
+
+    if scope == "global":
+        flat = top(torch.cat([scores[n].reshape(-1) for n in names]), RHO_GLOBAL)
+        masks = dict(zip(names, torch.split(flat, [scores[n].numel() for n in names])))
+    else:
+        masks = {n: top(scores[n].reshape(-1), evaluate(RHO_TENSOR, n)) for n in names}
+    got = read_model(merged("diagonal", scope)[1])
+    for n in names:
+        mask = masks[n].reshape(post[n].shape)
+        assert torch.equal(got[n] == post[n], mask), n  # masked: θpost exactly; kept: Δ ≠ 0 moved it
+        expected = post[n].double() + deltas[n]
+        assert torch.allclose(got[n].double()[~mask], expected[~mask], rtol=0, atol=1e-6), n
 
 
 def test_global_threshold_sees_the_scheduled_scales(models, caches, merged):
