@@ -194,7 +194,7 @@ EXPECTED = {
     "rho is 1": "rho must be in [0, 1)",
     "negative rho": "rho must be in [0, 1)",
     "rho without fisher": "needs `fisher:",
-    "rho as a gradient": "rho must be a single value",
+    "rho as a gradient": "graft parameter rho: a per-layer or per-tensor rho",
     "bad rho_scope": "rho_scope must be one of",
     "bad mask": "mask must be one of",
     "mask kfac on a diagonal cache": "has no KFAC entries",

@@ -23,7 +23,7 @@ import contextlib
 import functools
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -42,10 +42,12 @@ from mergekit.merge_methods.base import (
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import InMemoryCheckpoint
+from graftmerge.pipeline import schedule_binding
 from graftmerge.pipeline.graft import graft_in_memory, graft_tensor, run_graft_merge
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, build_plan, positional_roles
 from graftmerge.pipeline.lora_inputs import InMemoryDelta
 from graftmerge.pipeline.merge_run import MergeRun
+from graftmerge.pipeline.schedules import Schedule
 
 PAPER_URL = "https://arxiv.org/abs/2610.05872"
 RUN_PARAMETER = "graft_run"  # the id of the merge a task belongs to, put into the config mergekit sees
@@ -130,6 +132,9 @@ class GraftMergeMethod(GroupMergeMethod):
                 raise GraftError(f"model {entry.id} has role {role!r}; roles are donor, donor_ft, delta")
         if donor is None and fine_tunes:  # base_model listed again as role donor: mergekit folds it into the base
             donor = post
+        order = [entry.id for entry in group.non_base]
+        per_input = {key: {"role": parameters["role"][key], "weight": parameters["weight"][key]} for key in order}
+        schedule_binding.check_bound(run.plan, group.metadata.name, parameters, per_input, order)
         return graft_tensor(run, group.metadata.name, post, donor, fine_tunes, deltas)
 
     def _execute(self, groups, parameters, options, *, input_dtypes, out_dtype=None):
@@ -160,10 +165,8 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
     shared = parameters[0]
     non_base = [entry.id for entry in first.non_base]
     roles = positional_roles(non_base, dict(shared["role"]))
-    for bound in parameters[1:]:
-        if dict(bound["role"]) != dict(shared["role"]):
-            raise GraftError("graft needs one role per input for all tensors (per-tensor roles are not supported)")
     names = [group.metadata.name or f"<tensor {index}>" for index, group in enumerate(groups)]
+    schedule = per_group_schedule(names, parameters, {key: roles[key] for key in non_base})
     if len(set(names)) != len(names):
         raise GraftError("graft needs distinct tensor names for in-memory inputs")
     dtypes = {name: dtype for name, dtype in zip(names, input_dtypes)}
@@ -185,6 +188,7 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
         [FineTune(f"input {key!r}", shared["weight"][key]) for key in fine_tune_ids],
         [FineTune(f"input {key!r}", shared["weight"][key]) for key in delta_ids],
         shared,
+        schedule=schedule,
     )
     inputs = GraftInputs.from_sources(
         plan,
@@ -195,6 +199,33 @@ def graft_state_dict_groups(groups, parameters: list[dict[str, Any]], input_dtyp
         deltas=[source(key, f"delta (input {key!r})", InMemoryDelta) for key in delta_ids],
     )
     return list(graft_in_memory(inputs, device=first.entries[0].tensor.device, out_dtype=out_dtype))
+
+
+SCHEDULED = ("lambda", "rho", "weight")  # what PerGroupValues may vary per tensor; everything else is one value
+
+
+def per_group_schedule(names: list[str], parameters: list[dict[str, Any]], roles: dict) -> Schedule | None:
+    """The graft's parameters per tensor when ``merge_state_dicts`` was given PerGroupValues of lambda, rho or
+    weight; None when every group has the same ones. Any other parameter must be one value for all tensors."""
+    shared = parameters[0]
+    for bound in parameters[1:]:
+        for key in sorted(set(shared) - set(SCHEDULED)):
+            if dict_or_value(bound[key]) != dict_or_value(shared[key]):
+                raise GraftError(f"graft parameter {key} must be one value for all tensors (only lambda, rho and "
+                                 "weight may differ per tensor)")
+    order = list(roles)
+    entries = []
+    for name, bound in zip(names, parameters):
+        per_input = {key: {"role": roles[key], "weight": bound["weight"][key]} for key in order}
+        entries.append((name, schedule_binding.scales_from_parameters(bound, per_input, order)))
+    if len({scales for _, scales in entries}) <= 1:
+        return None
+    return Schedule(tuple(entries))
+
+
+def dict_or_value(value):
+    """A per-input mapping as a plain dict (comparable); any other value as it is."""
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

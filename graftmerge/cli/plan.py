@@ -63,20 +63,25 @@ def plan(config_file: str, rho_list: str, device: str, json_path: str | None, no
     once and prints, for each ρ: the exact global threshold (rho_scope: global),
     k = ⌈ρ·D⌉, and the share of the Fisher-weighted update Σ s it removes; then a
     table with one row per tensor: masked % of its directions and removed % of its
-    Σ s, per ρ. The config's own rho is ignored; its lambda, weights, mask and
-    rho_scope apply. CONFIG must name a Fisher cache (`fisher:`).
+    Σ s, per ρ. The config's own rho is ignored (a rho schedule too); its lambda,
+    weights (per-layer schedules included), mask and rho_scope apply. CONFIG must
+    name a Fisher cache (`fisher:`).
 
     \b
     graftmerge plan merge_configs/graft.yml --rho 0.001,0.01,0.1
     graftmerge plan graft.yml --rho 0.01 --json plan.json
     """
     # lazy: the graft plan loads torch and mergekit; only when the command runs, so --help stays fast
-    from graftmerge.pipeline.config_files import read_graft_config
-    from graftmerge.pipeline.plan import format_report, plan_report, report_json
+    from mergekit.options import MergeOptions
 
+    from graftmerge.adapter import import_hook
+    from graftmerge.pipeline.config_files import read_graft_config
+    from graftmerge.pipeline.plan import bind_report_schedule, format_report, plan_report, report_json
+
+    import_hook.install()  # a schedule is resolved by mergekit's planner, which must know graft
     rhos = parse_values(rho_list, "--rho", rho=True)
-    _, _, graft_plan = read_graft_config(config_file)
-    inputs = open_for_masks(graft_plan, rhos)
+    config, _, graft_plan = read_graft_config(config_file)
+    inputs = bind_report_schedule(open_for_masks(graft_plan, rhos), config, MergeOptions())
     report = plan_report(inputs, rhos, device=device, progress=not no_progress)
     click.echo(format_report(report))
     if json_path:

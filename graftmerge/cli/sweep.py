@@ -17,7 +17,8 @@ EVAL_BATCH_SIZE = 16
 @click.command("sweep")
 @click.argument("config_file", type=click.Path(dir_okay=False))
 @click.option("--lambda", "lambda_list", required=True, metavar="L1,L2,...",
-              help="Comma-separated values of the config's global `lambda`, e.g. 0.25,0.5,1.")
+              help="Comma-separated values of the config's global `lambda`, e.g. 0.25,0.5,1 (a scheduled "
+                   "lambda is multiplied by each).")
 @click.option("--rho", "rho_list", required=True, metavar="R1,R2,...",
               help="Comma-separated ρ values, each in [0, 1); 0 = no mask.")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
@@ -53,7 +54,9 @@ def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_l
     Δ(λ) once per λ, fixing the exact threshold of every ρ, with one rotation
     Δ̃ = UᵀΔV per KFAC weight per λ; the writing pass reads each tensor once
     and grafts it for every grid point. The config's own lambda and rho
-    are replaced; its per-model weights, fisher, mask and rho_scope apply.
+    are replaced (a scheduled lambda is multiplied by each swept λ, endpoint
+    by endpoint: docs/grafting.md, Per-layer schedules); its per-model
+    weights, fisher, mask and rho_scope apply.
 
     \b
     Memory: about that of one merge, whatever the grid size. One tensor's

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -81,8 +82,6 @@ def harness_progress(enabled: bool):
     if enabled:
         yield
         return
-    import importlib
-
     modules = [importlib.import_module(name) for name in HARNESS_BAR_MODULES]
     saved = [module.tqdm for module in modules]
     for module, original in zip(modules, saved):

@@ -179,8 +179,19 @@ def _value(value: Any) -> str:
     """A parameter's value in YAML flow style: ``0.01``, ``[0, 0.5, 1]``, ``{filter: mlp, value: 0.5}``."""
     if isinstance(value, str):
         return value
-    return yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=10_000).strip().removesuffix(
-        "\n...").strip()
+    text = yaml.safe_dump(_plain(value), default_flow_style=True, allow_unicode=True, width=10_000)
+    return text.strip().removesuffix("\n...").strip()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as YAML's safe types: mergekit's conditional parameters (pydantic models) as mappings."""
+    if hasattr(value, "model_dump"):
+        return _plain(value.model_dump(exclude_none=True))
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _line(text: Any) -> str:

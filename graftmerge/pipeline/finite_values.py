@@ -161,8 +161,8 @@ def _delta_problem(inputs: GraftInputs, name: str, rows: tuple[int, int] | None,
     read = lambda source: source.read(name, rows).to(dtype=dtype)  # noqa: E731
     plan = inputs.plan
     donor = read(inputs.donor) if inputs.donor is not None else None
-    terms = [(ft, lam, [read(ft)], []) for ft, lam in zip(inputs.fine_tunes, plan.lambdas)]
-    terms += [(delta, lam, [], [read(delta)]) for delta, lam in zip(inputs.deltas, plan.delta_lambdas)]
+    terms = [(ft, lam, [read(ft)], []) for ft, lam in zip(inputs.fine_tunes, plan.lambdas_for(name))]
+    terms += [(delta, lam, [], [read(delta)]) for delta, lam in zip(inputs.deltas, plan.delta_lambdas_for(name))]
     for source, lam, fine_tunes, deltas in terms:
         term = donor_delta(donor, fine_tunes, [lam] * len(fine_tunes), deltas, [lam] * len(deltas))
         if not all_finite(term):

@@ -24,7 +24,10 @@ from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.global_threshold import GlobalThreshold
 from graftmerge.math.projection import remove_masked, remove_masked_coordinates, remove_masked_pairs
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
-from graftmerge.pipeline import merge_cards  # as a module: it imports mergekit's registry, whose hook imports graft
+from graftmerge.pipeline import (
+    merge_cards,  # as a module: it imports mergekit's registry, whose hook imports graft
+    schedule_binding,
+)
 from graftmerge.pipeline.finite_values import check_delta, check_result
 from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config, plan_inputs
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit, scored_delta
@@ -100,7 +103,7 @@ def graft_opened(
                         f"not {type(run).__name__}")
     stage_reached("merging")
     plan, inputs = run.plan, run.inputs
-    delta = donor_delta(donor, fine_tunes, plan.lambdas, deltas, plan.delta_lambdas)
+    delta = donor_delta(donor, fine_tunes, plan.lambdas_for(name), deltas, plan.delta_lambdas_for(name))
     if plan.masked and inputs.fisher_kind(name):
         delta = _masked(run, name, delta)
     result = delta.add_(post.to(delta.dtype)).to(post.dtype)  # θpost + Δ', in Δ's buffer
@@ -113,7 +116,7 @@ def _masked(run: MergeRun, name: str, delta: torch.Tensor) -> torch.Tensor:
     if run.plan.rho_scope == "tensor":
         fisher = inputs.tensor_fisher(name).to(delta.device)
         scored = scored_delta(inputs, name, delta, fisher)
-        mask = top_k_mask(scored.scores, masked_count(run.plan.rho, scored.scores.numel()))
+        mask = top_k_mask(scored.scores, masked_count(run.plan.rho_for(name), scored.scores.numel()))
         return remove_masked(scored, mask, fisher)
     threshold = _threshold(run, str(delta.device))
     masked = _kept_mask_removed(run, name, delta)
@@ -209,10 +212,12 @@ def run_graft_merge(run_mergekit: RunMergekit, merge_config, out_path: str, opti
     with OutputFolder(out_path, replace=MERGE, inputs=plan_inputs(plan)) as output:
         loaded = check_mergekit_inputs(merge_config, options.allow_crimes, options.trust_remote_code)
         run = MergeRun(GraftInputs.open(plan), out_dtype=dtype_from_name(merge_config.out_dtype))
-        prepare(run, device=options.device or "cpu", progress=not options.quiet,
-                scratch=output.scratch / "kfac-rotations")
         # staging has OUT's basename: mergekit names the model card after it
         with lora_inputs_in_mergekit(merge_config, run.inputs) as config, post_architecture(loaded):
+            # schedules resolved per tensor by mergekit's planner, before the threshold pass needs them
+            run.inputs.plan = schedule_binding.bind_schedule(plan, config, options, names=run.inputs.post.tensors)
+            prepare(run, device=options.device or "cpu", progress=not options.quiet,
+                    scratch=output.scratch / "kfac-rotations")
             if config is not merge_config and config_source is None:
                 config_source = merge_config.to_yaml()  # the card shows the config as written
             run.inputs.check_unchanged()  # the pass read what was validated

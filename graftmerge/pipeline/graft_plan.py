@@ -34,6 +34,7 @@ from graftmerge.hub.models import resolve_model_folder
 from graftmerge.hub.pull import resolve_artifact
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.projection import TensorFisher
+from graftmerge.pipeline.schedules import Schedule, TensorScales, check_setting, is_schedule
 from graftmerge.pipeline.trusted_code import TRUST_PARAMETER, check_trusted_code
 
 ROLES = ("donor", "donor_ft")
@@ -78,20 +79,49 @@ class GraftPlan:
     dtype: str | None = None
     deltas: tuple[FineTune, ...] = ()
 
-    @property
-    def lambdas(self) -> list[float]:
-        """λ·weight of each fine-tune, in config order."""
-        return [self.lam * ft.weight for ft in self.fine_tunes]
+    scheduled: tuple[str, ...] = ()  # parameters written as schedules ("lambda", "rho", "weight of X")
+    schedule: Schedule | None = None  # their values per tensor, once bound (``schedule_binding``)
 
-    @property
-    def delta_lambdas(self) -> list[float]:
-        """λ·weight of each precomputed delta, in config order."""
-        return [self.lam * d.weight for d in self.deltas]
+    def scales(self, name: str) -> TensorScales:
+        """λ, the weights and ρ of tensor ``name``: its schedule's entry, or the plan's single values."""
+        if self.schedule is not None:
+            found = self.schedule.get(name)
+            if found is None:
+                raise GraftError(f"tensor {name!r}: the graft's schedule has no value for it (mergekit planned no "
+                                 "merge of this tensor)")
+            return found
+        if self.scheduled:
+            raise GraftError(f"graft parameter {self.scheduled[0]} is a per-layer schedule, which this command does "
+                             "not resolve (merge, mergekit-yaml, plan and sweep do); give it a single value here")
+        return TensorScales(self.lam, tuple(f.weight for f in self.fine_tunes),
+                            tuple(d.weight for d in self.deltas), self.rho)
+
+    def lambdas_for(self, name: str) -> list[float]:
+        """λ·weight of each fine-tune for tensor ``name``, in config order."""
+        scales = self.scales(name)
+        return [scales.lam * weight for weight in scales.weights]
+
+    def delta_lambdas_for(self, name: str) -> list[float]:
+        """λ·weight of each precomputed delta for tensor ``name``, in config order."""
+        scales = self.scales(name)
+        return [scales.lam * weight for weight in scales.delta_weights]
+
+    def rho_for(self, name: str) -> float:
+        """The ρ of tensor ``name`` (one ρ for every tensor unless ``rho_scope: tensor`` and a schedule)."""
+        return self.scales(name).rho
+
+    def at_point(self, lam: float, rho: float) -> GraftPlan:
+        """This plan at one sweep point, unbound: ``lambda`` replaced by ``lam`` (a scheduled one stays scheduled,
+        multiplied by ``lam`` where it is bound: ``schedules.point_settings``), ``rho`` replaced by ``rho``."""
+        scheduled = tuple(label for label in self.scheduled if label != "rho")
+        return dataclasses.replace(self, lam=lam, rho=rho, scheduled=scheduled, schedule=None)
 
     @property
     def masked(self) -> bool:
-        """Whether a Fisher mask is applied (ρ > 0)."""
-        return self.rho > 0
+        """Whether a Fisher mask is applied (ρ > 0 for some tensor)."""
+        if self.schedule is not None:
+            return any(scales.rho > 0 for scales in self.schedule.values())
+        return self.rho > 0 or "rho" in self.scheduled
 
     def check(self) -> None:
         """Parameter-level checks (no file access beyond existence)."""
@@ -101,16 +131,31 @@ class GraftPlan:
                 raise GraftError(f"graft parameter {label} must be a finite number, got {value}")
         if not 0 <= self.rho < 1:
             raise GraftError(f"graft parameter rho must be in [0, 1), got {self.rho}")
+        self._check_schedule()
         if self.rho_scope not in RHO_SCOPES:
             raise GraftError(
                 f"graft parameter rho_scope must be one of {', '.join(RHO_SCOPES)}, got {self.rho_scope!r}"
             )
         if self.mask not in MASK_KINDS:
             raise GraftError(f"graft parameter mask must be one of {', '.join(MASK_KINDS)}, got {self.mask!r}")
-        if self.rho > 0 and not self.fisher:
+        if self.masked and not self.fisher:
             raise GraftError(
                 "graft parameter rho > 0 needs `fisher: <Fisher cache folder>` (see graftmerge fisher estimate)"
             )
+
+    def _check_schedule(self) -> None:
+        """A per-tensor ρ needs ``rho_scope: tensor``; every bound value is finite (ρ in [0, 1))."""
+        per_tensor_rho = "rho" in self.scheduled or (
+            self.schedule is not None and len({s.rho for s in self.schedule.values()}) > 1)
+        if per_tensor_rho and self.rho_scope == "global":
+            raise GraftError(
+                "graft parameter rho: a per-layer or per-tensor rho (a gradient list, a filter, or PerGroupValues) "
+                "needs `rho_scope: tensor`; rho_scope global ranks the whole model against one threshold at one ρ")
+        for name, scales in self.schedule.entries if self.schedule is not None else ():
+            if not all(math.isfinite(v) for v in (scales.lam, *scales.weights, *scales.delta_weights)):
+                raise GraftError(f"graft parameter lambda or weight of tensor {name!r} is not finite: {scales}")
+            if not 0 <= scales.rho < 1:
+                raise GraftError(f"graft parameter rho of tensor {name!r} must be in [0, 1), got {scales.rho}")
 
 
 def resolve_fisher_folder(fisher: str) -> str:
@@ -279,7 +324,7 @@ class GraftInputs:
         donor = read(self.donor) if self.donor is not None else None
         fine_tunes = [read(ft) for ft in self.fine_tunes]
         deltas = [read(d) for d in self.deltas]
-        return donor_delta(donor, fine_tunes, self.plan.lambdas, deltas, self.plan.delta_lambdas)
+        return donor_delta(donor, fine_tunes, self.plan.lambdas_for(name), deltas, self.plan.delta_lambdas_for(name))
 
 
 def open_inputs(plan: GraftPlan) -> GraftInputs:
@@ -432,11 +477,19 @@ def positional_roles(non_base_ids: Sequence[Hashable], given: Mapping[Hashable, 
 
 
 def _scalar(value, label: str):
-    if isinstance(value, (list, dict)) or hasattr(value, "filter"):
-        raise GraftError(
-            f"graft parameter {label} must be a single value (graft does not support per-tensor gradients or filters)"
-        )
+    if is_schedule(value):
+        raise GraftError(f"graft parameter {label} must be a single value (per-layer schedules, gradient lists or "
+                         "filters, are for lambda, the weight of a donor_ft or delta, and rho under rho_scope: tensor)")
     return value
+
+
+def _number_or_schedule(value, label: str, scheduled: list[str], **bounds) -> float | None:
+    """A single value as a number; a schedule checked (``check_setting``), noted in ``scheduled``, and None."""
+    if not is_schedule(value):
+        return _number(value, label)
+    check_setting(value, label, **bounds)
+    scheduled.append(label)
+    return None
 
 
 def _number(value, label: str) -> float:
@@ -461,6 +514,7 @@ def plan_from_merge_config(config) -> GraftPlan:
     if unknown:
         raise GraftError(f"unknown graft parameter(s) {', '.join(unknown)}; known: {', '.join(GLOBAL_PARAMETERS)}")
     donors, fine_tunes, deltas, seen = [], [], [], {str(config.base_model): "base_model"}
+    scheduled: list[str] = []
     post = resolve_model_folder(config.base_model.model.path, config.base_model.model.revision)
     named = [(str(config.base_model), "base_model", post)]  # (as written, role, the folder that is the input)
     for entry in config.models:
@@ -474,33 +528,44 @@ def plan_from_merge_config(config) -> GraftPlan:
             donors.append(folder)
             named.append((label, role, folder))
         else:
-            term = _weighted_input(reference, label, role, folder, model_parameters)
+            term = _weighted_input(reference, label, role, folder, model_parameters, scheduled)
             (deltas if role == "delta" else fine_tunes).append(term)
             named.append((label, role, term.adapter or term.path))
     check_distinct_inputs(named)
     donors = _with_implied_donor(donors, fine_tunes, config.base_model.model)
     check_role_counts(len(donors), len(fine_tunes), deltas=len(deltas))
-    plan = build_plan(post, donors[0] if donors else None, fine_tunes, deltas, parameters, dtype=config.dtype)
+    plan = build_plan(post, donors[0] if donors else None, fine_tunes, deltas, parameters, dtype=config.dtype,
+                      scheduled=scheduled)
     return check_trusted_code(config, plan)
 
 
 def build_plan(post: str, donor: str | None, fine_tunes: Sequence[FineTune], deltas: Sequence[FineTune],
-               parameters: Mapping, dtype: str | None = None) -> GraftPlan:
+               parameters: Mapping, dtype: str | None = None, scheduled: Sequence[str] = (),
+               schedule: Schedule | None = None) -> GraftPlan:
     """The one place a GraftPlan is made: its inputs, and the graft's shared parameters (lambda, rho, fisher,
-    rho_scope, mask) as a config writes them or mergekit binds them, each a single value; checked (``plan.check``)."""
+    rho_scope, mask) as a config writes them or mergekit binds them; checked (``plan.check``).
+
+    lambda and rho may be schedules (a weight's is noted in ``scheduled`` by the caller): the plan
+    then needs their values per tensor (``schedule``, or ``schedule_binding.bind_schedule`` later).
+    """
     fisher = parameters.get("fisher")
     fisher = None if fisher is None else str(_scalar(fisher, "fisher"))
+    scheduled = list(scheduled)
+    lam = _number_or_schedule(parameters.get("lambda", 1.0), "lambda", scheduled)
+    rho = _number_or_schedule(parameters.get("rho", 0.0), "rho", scheduled, low=0.0, high=1.0)
     plan = GraftPlan(
         post=post,
         donor=donor,
         fine_tunes=tuple(fine_tunes),
         deltas=tuple(deltas),
-        lam=_number(parameters.get("lambda", 1.0), "lambda"),
-        rho=_number(parameters.get("rho", 0.0), "rho"),
+        lam=1.0 if lam is None else lam,
+        rho=0.0 if rho is None else rho,
         fisher=fisher,
         rho_scope=str(_scalar(parameters.get("rho_scope", "global"), "rho_scope")),
         mask=str(_scalar(parameters.get("mask", "auto"), "mask")),
         dtype=dtype,
+        scheduled=tuple(scheduled),
+        schedule=schedule,
     )
     plan.check()
     return plan
@@ -532,9 +597,14 @@ def _check_lora_role(reference, label: str, role: str) -> None:
                          "donor_ft (or give the adapter folder alone role delta)")
 
 
-def _weighted_input(reference, label: str, role: str, folder: str, model_parameters: dict) -> FineTune:
-    """A donor_ft or delta entry: its folder, weight and (``BASE+ADAPTER``) adapter folder, checked."""
-    weight = _number(model_parameters.get("weight", 1.0), f"weight of {label}")
+def _weighted_input(reference, label: str, role: str, folder: str, model_parameters: dict,
+                    scheduled: list[str]) -> FineTune:
+    """A donor_ft or delta entry: its folder, weight and (``BASE+ADAPTER``) adapter folder, checked.
+
+    A scheduled weight is noted in ``scheduled``; the entry's own weight is then 1 (unused).
+    """
+    weight = _number_or_schedule(model_parameters.get("weight", 1.0), f"weight of {label}", scheduled)
+    weight = 1.0 if weight is None else weight
     if role == "delta" and not os.path.exists(os.path.join(folder, DELTA_MANIFEST)) and not is_lora_adapter(folder):
         raise GraftError(
             f"model {label} has role delta, but {folder} has no {DELTA_MANIFEST}: make a delta with "

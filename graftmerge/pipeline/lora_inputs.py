@@ -138,7 +138,8 @@ def low_rank_rotation(inputs: GraftInputs, name: str, fisher: TensorFisher, rows
         return None
     left, right, scale = found
     kfac = fisher.kfac
-    return low_rank_rotate(left.to(device), right.to(device), scale * inputs.plan.delta_lambdas[0], kfac.U, kfac.V)
+    lam = inputs.plan.delta_lambdas_for(name)[0]
+    return low_rank_rotate(left.to(device), right.to(device), scale * lam, kfac.U, kfac.V)
 
 
 def scored_delta(inputs: GraftInputs, name: str, delta: torch.Tensor, fisher: TensorFisher,

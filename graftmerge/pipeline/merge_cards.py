@@ -170,19 +170,31 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def _setting(plan, name: str, value: float) -> str:
+    """``name = value`` for a single value; a schedule is named as one (its numbers are in the config block)."""
+    return f"{name} per layer (the schedule in the config below)" if name in _scheduled(plan) else f"{name} = {value!r}"
+
+
+def _scheduled(plan) -> set[str]:
+    return {{"lambda": "λ", "rho": "ρ"}.get(label, label) for label in plan.scheduled}
+
+
 def graft_card_data(run: MergeRun) -> DataInputs:
     """A graft merge's cache (only when its mask read one) and how it was used: the formula with its numbers."""
     plan = run.plan
     fisher = run.inputs.fisher if plan.masked else None
     caches = {plan.fisher: fisher.path} if fisher is not None and plan.fisher else {}
-    if plan.lam == 0:
+    lam, rho = _setting(plan, "λ", plan.lam), _setting(plan, "ρ", plan.rho)
+    scheduled_weights = any(label.startswith("weight") for label in plan.scheduled)
+    weights = " (weights per layer: see the config below)" if scheduled_weights else ""
+    if plan.lam == 0 and "λ" not in _scheduled(plan):
         notes = ("λ = 0: no update was grafted; this is the base model (θpost) as a merge writes it.",)
     elif not plan.masked:
-        notes = (f"θ = θpost + λ·Σᵢ wᵢ Δᵢ with λ = {plan.lam!r} and no mask (ρ = 0: no Fisher cache shaped it).",)
+        notes = (f"θ = θpost + λ·Σᵢ wᵢ Δᵢ with {lam}{weights} and no mask (ρ = 0: no Fisher cache shaped it).",)
     else:
         scope = ("one threshold over the whole model" if plan.rho_scope == "global"
                  else "the same share in every tensor")
-        notes = (f"θ = θpost + M_ρ(λ·Σᵢ wᵢ Δᵢ) with λ = {plan.lam!r}, ρ = {plan.rho!r}: the share ρ of the "
+        notes = (f"θ = θpost + M_ρ(λ·Σᵢ wᵢ Δᵢ) with {lam}{weights}, {rho}: the share ρ of the "
                  f"update's ranked directions that the Fisher cache below scores highest was removed "
                  f"({scope}, rho_scope: {plan.rho_scope}; mask: {plan.mask}).",)
     return DataInputs(caches, notes)

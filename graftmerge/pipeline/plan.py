@@ -24,8 +24,9 @@ from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.global_threshold import GlobalThreshold
 from graftmerge.math.mask_stats import MaskTally, MultiThresholdSearch, score_mass, share
 from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
+from graftmerge.pipeline import schedule_binding
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan
-from graftmerge.pipeline.lora_inputs import scored_delta
+from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit, scored_delta
 
 
 class ReadOnce:
@@ -239,14 +240,26 @@ def plan_report(inputs: GraftInputs, rhos: Sequence[float], device: str = "cpu",
     return PlanReport(inputs.plan, directions, total_mass, tensors, summaries)
 
 
+def bind_report_schedule(inputs: GraftInputs, config, options) -> GraftInputs:
+    """``inputs`` with their plan's schedules resolved per tensor by mergekit's planner, as a merge of ``config``
+    resolves them (LoRA inputs in their mergekit view meanwhile)."""
+    with lora_inputs_in_mergekit(config, inputs) as view:
+        inputs.plan = schedule_binding.bind_schedule(inputs.plan, view, options, names=inputs.post.tensors)
+    return inputs
+
+
 def format_report(report: PlanReport) -> str:
     """A compact text report: one line per ρ, then one row per tensor (masked % / removed %)."""
     plan = report.plan
+    lam = "scheduled" if "lambda" in plan.scheduled else f"{plan.lam:g}"
     lines = [
         f"graft plan: {len(report.tensors)} ranked tensors, D = {report.directions:,} directions, "
-        f"Σ s = {report.mass:.4g}  (lambda {plan.lam:g}, rho_scope {plan.rho_scope}, mask {plan.mask})",
-        "",
+        f"Σ s = {report.mass:.4g}  (lambda {lam}, rho_scope {plan.rho_scope}, mask {plan.mask})",
     ]
+    if plan.scheduled:
+        lines.append(f"per-layer schedules: {', '.join(plan.scheduled)} (each tensor scored with its own scales; "
+                     "the rho below replace the config's)")
+    lines.append("")
     for summary in report.rhos:
         threshold = "per tensor" if summary.threshold is None else f"{summary.threshold:.6g}"
         threshold = "none" if summary.k == 0 else threshold

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import dataclasses
 import logging
 import os
 import tempfile
@@ -46,18 +45,20 @@ import torch
 import yaml
 from mergekit.architecture import get_architecture_info
 from mergekit.common import dtype_from_name
-from mergekit.config import MergeConfiguration
+from mergekit.config import MergeConfiguration, ParameterSetting
 from mergekit.graph import Executor
 from mergekit.io.tasks import GatherTensors, LoaderCache, SaveTensor
 from mergekit.io.tensor_writer import TensorWriter
 from mergekit.merge import _copy_tagalong_files, _copy_tokenizer, _model_out_config
 from mergekit.merge_methods.buffers import copy_non_floating_buffer
 from mergekit.plan import MergePlanner
+from pydantic import TypeAdapter
 from tqdm import tqdm
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.output_folder import EMPTY, OutputFolder, check_not_inputs
 from graftmerge.formats.rotation_store import RotationStore
+from graftmerge.pipeline import schedule_binding
 from graftmerge.pipeline.graft import graft_opened
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan, plan_inputs
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
@@ -65,8 +66,10 @@ from graftmerge.pipeline.merge_cards import DataInputs, graft_card_data, write_m
 from graftmerge.pipeline.merge_run import MergeRun
 from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs
 from graftmerge.pipeline.plan import grid_views, score_pass
+from graftmerge.pipeline.schedules import point_settings
 
 LOG = logging.getLogger(__name__)
+_SETTINGS = TypeAdapter(dict[str, ParameterSetting])  # a config's parameters, as mergekit validates them
 _LIBC = ctypes.CDLL(None)  # the C library this process already uses
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -239,20 +242,33 @@ def _anonymous_resident() -> int:
 
 
 def grid_config_source(source: str, point: GridPoint) -> str:
-    """The config's YAML with this grid point's lambda and rho: what mergekit-yaml would be given."""
+    """The config's YAML with this grid point's lambda and rho (``point_settings``): what mergekit-yaml would be
+    given."""
     data = yaml.safe_load(source)
-    parameters = dict(data.get("parameters") or {})
-    parameters["lambda"] = point.lam
-    parameters["rho"] = point.rho
-    data["parameters"] = parameters
+    data["parameters"] = point_settings(data.get("parameters"), point.lam, point.rho)
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def point_config(config, point: GridPoint):
+    """``config`` (as mergekit runs it) with this grid point's lambda and rho, as ``grid_config_source`` writes
+    them."""
+    plain = point_settings(config.parameters, point.lam, point.rho)
+    return config.model_copy(update={"parameters": _SETTINGS.validate_python(plain)})
+
+
+def bind_grid(plans: dict[GridPoint, GraftPlan], config, options, inputs: GraftInputs) -> dict[GridPoint, GraftPlan]:
+    """Each point's plan with its schedule resolved by mergekit on that point's config (``config``: the one
+    mergekit runs, LoRA inputs in their view); the plans themselves when nothing is scheduled."""
+    bind = schedule_binding.bind_schedule  # a filter that matches nothing is warned about once, not per point
+    return {point: bind(plan, point_config(config, point), options, names=inputs.post.tensors, warn=index == 0)
+            for index, (point, plan) in enumerate(plans.items())}
 
 
 def check_sweepable(config, points: list[GridPoint], plan: GraftPlan) -> dict[GridPoint, GraftPlan]:
     """Per grid point, the plan a merge with that λ and ρ would run; checks what sweep does not support."""
     if config.tokenizer is not None or config.tokenizer_source is not None:
         raise GraftError("sweep does not support `tokenizer:` / `tokenizer_source:`; run mergekit-yaml per grid point")
-    plans = {point: dataclasses.replace(plan, lam=point.lam, rho=point.rho) for point in points}
+    plans = {point: plan.at_point(point.lam, point.rho) for point in points}
     for grid_plan in plans.values():
         grid_plan.check()
     return plans
@@ -280,6 +296,7 @@ def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out
         LoaderCache().setup(options=options)
         device = options.device or "cpu"
         freed = FreedMemory()
+        plans = bind_grid(plans, config, options, inputs)
         runs = _grid_views(inputs, plans, output.scratch / "kfac-rotations", device, freed,
                            progress=not options.quiet)
         inputs.check_unchanged()  # the pass read what was validated

@@ -31,7 +31,6 @@ and the task file have been checked and θpost has been scored. docs/sweeps.md h
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import hashlib
 import json
@@ -65,6 +64,7 @@ from graftmerge.pipeline.sweep import (
     _planned_tensors,
     _write_grid,
     _write_tensor,
+    bind_grid,
     check_sweepable,
     grid,
 )
@@ -308,7 +308,7 @@ def _opened_grid(config, inputs: GraftInputs, plans: dict[GridPoint, GraftPlan],
 
     θpost's own point (λ = 0, ρ = 0) is among the views: best/ holds it when θpost is chosen.
     """
-    plans = {**plans, POST_POINT: dataclasses.replace(next(iter(plans.values())), lam=0.0, rho=0.0)}
+    plans = {**plans, POST_POINT: next(iter(plans.values())).at_point(0.0, 0.0)}
     with lora_inputs_in_mergekit(config, inputs) as merge_config:
         arch_info = loaded[0].arch_info if all(i.arch_info for i in loaded) else get_architecture_info(
             merge_config, options)
@@ -316,6 +316,7 @@ def _opened_grid(config, inputs: GraftInputs, plans: dict[GridPoint, GraftPlan],
             raise GraftError("sweep does not support architectures whose parameters mergekit fills in after merging")
         LoaderCache().setup(options=options)
         freed = FreedMemory()
+        plans = bind_grid(plans, merge_config, options, inputs)
         views = _grid_views(inputs, plans, scratch / "kfac-rotations", options.device or "cpu", freed,
                             progress=not options.quiet)
         inputs.check_unchanged()  # the pass read what was validated

@@ -22,8 +22,23 @@ class BruteForceGraft(NamedTuple):
     kinds: dict[str, str]  # ranked tensors only: "diagonal" or "kfac"
 
 
+def _per_tensor(value, name: str) -> float:
+    """A brute force's parameter: one number, or a function of the tensor's name (a per-layer schedule)."""
+    return value(name) if callable(value) else value
+
+
+def _weighted_sum(terms: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+    """Σ w·x in float32, each term after the first added as ``a + w·x`` in one rounding (torch's ``add`` with
+    ``alpha``): the float32 Δ of a graft of several fine-tunes, bit for bit."""
+    (first, weight), *rest = terms
+    total = first * weight
+    for term, weight in rest:
+        total = torch.add(total, term, alpha=weight)
+    return total
+
+
 def brute_force_graft(
-    post: Path, donor: Path, fine_tunes, fisher: Path, rho: float, scope: str = "global", mask: str = "auto",
+    post: Path, donor: Path, fine_tunes, fisher: Path, rho, scope: str = "global", mask: str = "auto",
 ) -> BruteForceGraft:
     """The whole model flattened at once: every ranked direction scored, one stable sort, top ⌈ρ·D⌉.
 
@@ -32,12 +47,16 @@ def brute_force_graft(
     Δ̃ = UᵀΔV; tensors in name order, row-major coordinates; scores below
     float32's smallest normal never masked; tensors without a usable Fisher entry
     unranked and unmasked. KFAC: Δ' = Δ − U(1_S ⊙ Δ̃)Vᵀ.
+
+    A fine-tune's weight (λ·weight) and, under ``scope="tensor"``, ``rho`` may be functions of the
+    tensor's name: per-layer schedules, each tensor's Δ scaled by its own weights.
     """
     post_w, donor_w = read_model(post), read_model(donor)
     ft_w = [(read_model(p), w) for p, w in fine_tunes]
     cache = open_fisher_cache(fisher)
     names = sorted(post_w)
-    deltas = {n: sum(w * (ft[n].float() - donor_w[n].float()) for ft, w in ft_w) for n in names}
+    deltas = {n: _weighted_sum([(ft[n].float() - donor_w[n].float(), _per_tensor(w, n)) for ft, w in ft_w])
+              for n in names}
     kinds: dict[str, str] = {}
     for n in names:
         if mask == "auto":
@@ -59,17 +78,17 @@ def brute_force_graft(
         else:
             scores[n] = cache.diagonal(n) * deltas[n].square()
 
-    def top(flat: torch.Tensor) -> torch.Tensor:
+    def top(flat: torch.Tensor, rho: float) -> torch.Tensor:
         k = ceil(Fraction(repr(rho)) * flat.numel())
         chosen = torch.zeros_like(flat, dtype=torch.bool)
         chosen[torch.sort(flat, descending=True, stable=True).indices[:k]] = True
         return chosen & (flat >= torch.finfo(torch.float32).tiny)
 
     if scope == "global":
-        flat_mask = top(torch.cat([scores[n].reshape(-1) for n in ranked]))
+        flat_mask = top(torch.cat([scores[n].reshape(-1) for n in ranked]), rho)
         flat_masks = dict(zip(ranked, torch.split(flat_mask, [scores[n].numel() for n in ranked])))
     else:
-        flat_masks = {n: top(scores[n].reshape(-1)) for n in ranked}
+        flat_masks = {n: top(scores[n].reshape(-1), _per_tensor(rho, n)) for n in ranked}
     masks = {n: flat_masks[n].reshape(scores[n].shape) for n in ranked}
     expected = {}
     for n in names:
