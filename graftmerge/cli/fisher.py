@@ -107,6 +107,19 @@ def fisher() -> None:
     help="Run MODEL's own code (its config.json's auto_map) if it needs it; only for a model you trust. "
     "Without it such a model is refused, never asked about.",
 )
+@click.option(
+    "--fsdp",
+    is_flag=True,
+    help="Shard the model and the sums over the torchrun ranks with FSDP2 (opt-in; needs torchrun and --rollouts): "
+    "for a post model no single device holds.",
+)
+@click.option(
+    "--collective-timeout",
+    default=1800.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="--fsdp: a collective waiting this long on a lost rank fails (no cache is written).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
 @report_errors
@@ -125,6 +138,11 @@ def estimate(
     settings = EstimateSettings(
         model=model, output=output, modules=modules, progress=not no_progress, **options
     )
-    written = estimate_fisher(settings)
+    if settings.fsdp:
+        from graftmerge.estimate.sharded_run import estimate_fisher_sharded
+
+        written = estimate_fisher_sharded(settings)
+    else:
+        written = estimate_fisher(settings)
     if written is not None:
         click.echo(f"wrote {written}")

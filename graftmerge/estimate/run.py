@@ -78,6 +78,9 @@ class EstimateSettings:
     attn_implementation: str = "sdpa"
     progress: bool = True
     trust_remote_code: bool = False  # run the model folder's own code (auto_map); never asked on the terminal
+    fsdp: bool = False  # shard the model and the sums with FSDP2 (estimate.sharded_run; under torchrun)
+    collective_timeout: float = 1800.0  # --fsdp: seconds before a collective that waits on a lost rank fails
+    dry_run: bool = False  # print the memory each rank would need (estimate.memory_plan), run nothing
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -158,6 +161,9 @@ def estimate_fisher(
 
     ``after_batch(i)`` is called after the i-th batch of this rank (tests use it to interrupt).
     """
+    if settings.fsdp:
+        raise GraftError("estimate_fisher runs data-parallel; call "
+                         "graftmerge.estimate.sharded_run.estimate_fisher_sharded for --fsdp")
     ranks = distributed.start(settings.device)
     try:
         with _output_folder(settings, ranks) as output:

@@ -123,6 +123,12 @@ class ShardedFisherAccumulator(FisherAccumulator):
             else:
                 kept += buffer
 
+    def stored_side(self, side: str) -> str:
+        """The side whose sum stands for ``side`` (itself, or the earlier side it is shared with)."""
+        while side in self.factor_alias:
+            side = self.factor_alias[side]
+        return side
+
     # -- batches ------------------------------------------------------------
     def accumulate_nothing(self) -> None:
         """Run one batch that adds nothing, so this rank joins every collective of a batch it has no data for."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from graftmerge.errors import GraftError
@@ -84,10 +85,31 @@ def load_sharded_model(folder: Path, config, *, dtype: torch.dtype, device: torc
                        world_size: int, attn_implementation: str = "sdpa",
                        trust_remote_code: bool = False) -> nn.Module:
     """The post model, ``fully_shard``-ed per decoder layer and at the root, each rank holding its rows only."""
-    from torch.distributed.fsdp import fully_shard
+    model, checkpoint = checked_meta_model(folder, config, dtype=dtype, attn_implementation=attn_implementation,
+                                           trust_remote_code=trust_remote_code)
+    return shard_and_fill(model, checkpoint, device=device, rank=rank, world_size=world_size)
 
+
+def checked_meta_model(folder: Path, config, *, dtype: torch.dtype, attn_implementation: str = "sdpa",
+                       trust_remote_code: bool = False) -> tuple[nn.Module, Checkpoint]:
+    """(meta model, its checkpoint) once every parameter is found in the files with its shape: no collective yet."""
     model = build_meta_model(folder, config, dtype=dtype, attn_implementation=attn_implementation,
                              trust_remote_code=trust_remote_code)
+    decoder_layers(model)
+    checkpoint = Checkpoint(folder, label="post model")
+    for name, parameter in model.named_parameters():
+        info = checkpoint.tensors.get(name)
+        if info is None:
+            raise GraftError(f"post model {folder} has no tensor {name!r}, which the model needs")
+        if tuple(info.shape) != tuple(parameter.shape):
+            raise GraftError(f"post model tensor {name!r} has shape {tuple(info.shape)}, "
+                             f"the model's config makes it {tuple(parameter.shape)}")
+    return model, checkpoint
+
+
+def shard_and_fill(model: nn.Module, checkpoint: Checkpoint, *, device: torch.device, rank: int,
+                   world_size: int) -> nn.Module:
+    """``fully_shard`` every decoder layer and the root, allocate this rank's shards, read its rows."""
     for layer in decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
@@ -96,19 +118,13 @@ def load_sharded_model(folder: Path, config, *, dtype: torch.dtype, device: torc
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
-        fill_owned_rows(model, Checkpoint(folder, label="post model"), rank, world_size)
+        fill_owned_rows(model, checkpoint, rank, world_size)
     return model.eval()
 
 
 def fill_owned_rows(model: nn.Module, checkpoint: Checkpoint, rank: int, world_size: int) -> None:
     """Copy this rank's dim-0 rows of every parameter from the safetensors files (a slice read, nothing more)."""
     for name, parameter in model.named_parameters():
-        info = checkpoint.tensors.get(name)
-        if info is None:
-            raise GraftError(f"{checkpoint.label} {checkpoint.folder} has no tensor {name!r}, which the model needs")
-        if tuple(info.shape) != tuple(parameter.shape):
-            raise GraftError(f"{checkpoint.label} tensor {name!r} has shape {tuple(info.shape)}, "
-                             f"the model's config makes it {tuple(parameter.shape)}")
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         start, stop = row_range(parameter.shape[0], world_size, rank)
         if local.shape[0] != stop - start:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 
 def shard_rows(rows: int, world_size: int) -> int:
-    """Rows of every dim-0 shard (the last ones padded): ``ceil(rows / world_size)``, as ``torch.chunk`` and FSDP2 cut."""
+    """Rows of every dim-0 shard (the last ones padded): ``ceil(rows / world_size)``, as FSDP2 cuts."""
     return -(-rows // world_size)
 
 
