@@ -31,6 +31,10 @@ from graftmerge.estimate.batching import Batch
 from graftmerge.math.ownership import least_loaded, shard_rows
 
 
+# torch 2.13 renamed reduce_scatter_tensor (and warns on the old name)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _Workspace(dict):
     """This batch's full-size sums, each made (zeroed) on first use and dropped once reduced."""
 
@@ -91,7 +95,7 @@ class ShardedFisherAccumulator(FisherAccumulator):
         if buffer.shape[0] != rows:
             buffer = torch.cat([buffer, buffer.new_zeros(rows - buffer.shape[0], *buffer.shape[1:])])
         part = torch.empty_like(total)
-        dist.reduce_scatter_tensor(part, buffer.contiguous(), group=self.group)
+        _reduce_scatter(part, buffer.contiguous(), group=self.group)
         total += part
 
     def _factor_done(self, sums: dict[str, torch.Tensor], key: str) -> None:

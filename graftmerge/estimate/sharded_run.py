@@ -44,11 +44,14 @@ from graftmerge.estimate.sharded_loading import checked_meta_model, model_dtype,
 from graftmerge.estimate.sharded_writer import RankShardWriter, model_record, write_manifest
 from graftmerge.formats.checkpoint import Checkpoint, shard_sample_digest
 from graftmerge.formats.file_hash import file_sha256
-from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
+from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder, stage_reached
 from graftmerge.math.ownership import balanced_owners
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 PROBE_NAME = "shared-folder-probe"
+OUT_OF_MEMORY = ("can't allocate memory", "out of memory", "Cannot allocate memory")
+LOST_CONTACT = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Timed out",
+                "timed out", "gloo", "NCCL")  # a collective whose peer died or hung
 NOT_PER_RANK = ("device", "progress", "extra")  # settings that may differ between ranks
 
 
@@ -116,8 +119,10 @@ def estimate_fisher_sharded(settings, after_batch: Callable[[int], None] | None 
     except dist.DistError as error:
         raise GraftError(lost_contact(ranks, error)) from error
     except RuntimeError as error:
-        if "allocate" in str(error) or "out of memory" in str(error):
+        if any(sign in str(error) for sign in OUT_OF_MEMORY):
             raise GraftError(out_of_memory(ranks, error)) from error
+        if any(sign in str(error) for sign in LOST_CONTACT):
+            raise GraftError(lost_contact(ranks, error)) from error
         raise
     finally:
         if output is not None:
@@ -292,6 +297,7 @@ def _accumulate(settings, ranks: distributed.Ranks, accumulator: ShardedFisherAc
             done = index + 1
             if settings.checkpoint_every and done % settings.checkpoint_every == 0 and done < steps:
                 checkpointing.save(folder, ranks.rank, prepared.fingerprint, done, accumulator.state_dict())
+            stage_reached("fisher-step")  # test hook ($GRAFTMERGE_TEST_STOP_AT=fisher-step:N): stop after step N
             if after_batch is not None and index < len(mine):
                 after_batch(index)
     bar.close()
