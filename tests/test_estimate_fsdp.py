@@ -207,10 +207,10 @@ def _stopped(pid: int) -> bool:
 
 
 def test_an_output_folder_other_ranks_cannot_see_is_named(tmp_path):
+    import torch
+
     from graftmerge.estimate.distributed import Ranks
     from graftmerge.estimate.sharded_run import PROBE_NAME, _probe_error
-
-    import torch
 
     ranks = Ranks(1, 2, torch.device("cpu"), False)
     staging = tmp_path / ".out.partial-1-x" / "out"

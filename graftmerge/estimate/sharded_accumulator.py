@@ -30,7 +30,6 @@ from graftmerge.estimate.accumulator import FisherAccumulator
 from graftmerge.estimate.batching import Batch
 from graftmerge.math.ownership import least_loaded, shard_rows
 
-
 # torch 2.13 renamed reduce_scatter_tensor (and warns on the old name)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
