@@ -120,6 +120,18 @@ def fisher() -> None:
     metavar="SECONDS",
     help="--fsdp: a collective waiting this long on a lost rank fails (no cache is written).",
 )
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the memory one process, and each --fsdp rank, would need (from config.json; nothing is run).",
+)
+@click.option(
+    "--world-size",
+    type=int,
+    default=None,
+    metavar="N",
+    help="--dry-run: the number of --fsdp ranks to plan for (default: $WORLD_SIZE, else 2).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
 @report_errors
@@ -135,9 +147,17 @@ def estimate(
     # lazy: the estimator loads torch and transformers; only when the command runs, so --help stays fast
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
 
+    world_size = options.pop("world_size")
     settings = EstimateSettings(
         model=model, output=output, modules=modules, progress=not no_progress, **options
     )
+    if settings.dry_run:
+        import os
+
+        from graftmerge.estimate.memory_plan import dry_run
+
+        click.echo(dry_run(settings, world_size or int(os.environ.get("WORLD_SIZE", "2"))))
+        return
     if settings.fsdp:
         from graftmerge.estimate.sharded_run import estimate_fisher_sharded
 
