@@ -4,7 +4,8 @@
 
 Generates a Qwen3-shaped model (float32, untied, a small vocabulary so the decoder layers
 hold most of the weights, as in large models), random rollouts, then runs, one after the
-other: ``--dry-run``, the one-process estimate, and the ``--fsdp`` estimate with each rank
+other: ``--dry-run``, the one-process estimate (with glibc's default allocator, then with
+the 1 MiB mmap threshold ``--fsdp`` sets for itself, like for like), and the ``--fsdp`` estimate with each rank
 its own process joined by env:// (as torchrun joins them). Each process's peak resident
 set is its ``ru_maxrss`` from ``wait4``. Prints per-process peaks, the ratio of each rank's
 peak to the one-process peak (goal < 0.65 for 2 ranks), the dry-run's estimates against the
@@ -110,17 +111,22 @@ def main() -> None:
     one_estimate, rank_estimate, table = dry_run(model, rollouts, args)
     print(table)
     (single,), single_wall = run_measured([command(model, rollouts, work / "single", args)], [base])
+    # like for like: the one process with the glibc mmap threshold --fsdp sets for itself (1 MiB)
+    (alike,), alike_wall = run_measured([command(model, rollouts, work / "single", args)],
+                                        [{**base, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}])
     port = str(free_port())
     envs = [{**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(args.world), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": port} for r in range(args.world)]
     ranks, fsdp_wall = run_measured([command(model, rollouts, work / "fsdp", args, "--fsdp")] * args.world, envs)
     print(f"\nmeasured peak RSS ({args.kind}, {args.sequences}×{args.length} tokens, batch {args.batch_size}, "
           f"{args.threads} thread(s) per process)")
-    print(f"  one process:      {single / GIB:6.2f} GiB   (dry run {one_estimate:.2f}: "
-          f"{one_estimate / (single / GIB) - 1:+.0%})   wall {single_wall:.1f} s")
+    for label, peak, wall in (("one process, default glibc", single, single_wall),
+                              ("one process, mmap threshold 1 MiB", alike, alike_wall)):
+        print(f"  {label:36}{peak / GIB:6.2f} GiB   (dry run {one_estimate:.2f}: "
+              f"{one_estimate / (peak / GIB) - 1:+.0%})   wall {wall:.1f} s")
     for rank, peak in enumerate(ranks):
-        print(f"  --fsdp rank {rank}:    {peak / GIB:6.2f} GiB = {peak / single:.2f} × one process   (dry run "
-              f"{rank_estimate:.2f}: {rank_estimate / (peak / GIB) - 1:+.0%})")
+        print(f"  --fsdp rank {rank:<24}{peak / GIB:6.2f} GiB = {peak / single:.2f} × default, {peak / alike:.2f} × "
+              f"like for like   (dry run {rank_estimate:.2f}: {rank_estimate / (peak / GIB) - 1:+.0%})")
     print(f"  --fsdp wall {fsdp_wall:.1f} s; largest relative difference of the diagonals: "
           f"{largest_difference(work / 'single', work / 'fsdp'):.2g}")
 

@@ -113,10 +113,35 @@ def caches(inputs):
             specs.append({"model": str(models[name]), "output": str(output), "rollouts": str(data), "kind": kind,
                           "batch_size": 2, "accumulator_dtype": "float64"})
             found[world, name, kind] = (one_process(models[name], data, root / f"single-{name}-{kind}", kind), output)
+        if world == 2:  # --prompts: sampled with sharded weights, 3 prompts on rank 0 and 2 on rank 1
+            specs.append({**SAMPLING, "model": str(models["qwen3-untied"]), "output": str(root / "fsdp-sampled"),
+                          "prompts": str(prompts(root)), "save_rollouts": str(root / "fsdp-sampled.jsonl")})
         (root / f"jobs{world}.json").write_text(json.dumps(specs))
         done = torchrun(world, str(WORKER), str(root / f"jobs{world}.json"))
         assert done.returncode == 0, done.stderr[-4000:]
     return found
+
+
+SAMPLING = {"kind": "both", "batch_size": 2, "accumulator_dtype": "float64", "samples_per_prompt": 2,
+            "max_new_tokens": 5, "seed": 7, "sample_batch_size": 1}
+
+
+def prompts(root: Path) -> Path:
+    path = root / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ([1, 2, 3], [4], [5, 6], [7, 8], [9])))
+    return path
+
+
+def test_prompts_sampled_with_sharded_weights_equal_one_process(inputs, caches):
+    """Each rank samples its own prompts in step with the others: the same samples (one generator per prompt)
+    and the same cache as one process."""
+    root, models, _ = inputs
+    settings = EstimateSettings(model=models["qwen3-untied"], output=root / "single-sampled", prompts=prompts(root),
+                                save_rollouts=root / "single-sampled.jsonl", progress=False, **SAMPLING)
+    estimate_fisher(settings)
+    assert (root / "fsdp-sampled.jsonl").read_text() == (root / "single-sampled.jsonl").read_text()
+    assert len((root / "single-sampled.jsonl").read_text().splitlines()) == 10
+    caches_close(root / "single-sampled", root / "fsdp-sampled", rtol=1e-6)
 
 
 @pytest.mark.parametrize(("world", "model", "kind"), CASES)

@@ -8,7 +8,8 @@ diagonal or KFAC sides, the model and accumulator dtypes. Per rank under ``--fsd
 - model shard: every parameter's ``ceil(rows / world)`` rows;
 - unsharded weights: the root's parameters (embeddings, final norm, ``lm_head``: FSDP2
   keeps the root unsharded from forward to the end of backward) plus two decoder layers
-  (the one running and the one prefetched);
+  (the one running and the one prefetched), each twice (the all-gather buffer and the
+  unsharded parameters copied out of it);
 - diagonal shard: the rank's rows of every diagonal sum; diagonal working set: the
   largest parameter's full-size batch buffer, twice (buffer and its padded copy);
 - KFAC sides owned: the sides balanced over ranks by size (a side shared by q/k/v or
@@ -17,7 +18,11 @@ diagonal or KFAC sides, the model and accumulator dtypes. Per rank under ``--fsd
 - activations: a rough bound for one batch (``batch × tokens``, every layer's saved
   inputs and the float32 logits);
 - runtime: this process's own resident memory (Python, torch, transformers), which
-  every rank also pays.
+  every rank also pays;
+- checkpoint pages: one process loads with ``from_pretrained``, whose memory-mapped
+  safetensors pages stay resident (measured: the one-process peak is the model, the
+  sums, the runtime and the files' size again); ``--fsdp`` reads row slices and closes
+  each file, so its ranks do not keep them.
 
 One process without ``--fsdp`` needs the whole model, every sum and every side.
 """
@@ -58,7 +63,7 @@ def _rows_bytes(shape: tuple[int, ...], world_size: int, itemsize: int) -> int:
 
 
 def memory_plan(model: nn.Module, *, world_size: int, kind: str, accumulator_dtype: torch.dtype,
-                batch_size: int, tokens: int, runtime: int) -> dict[str, int]:
+                batch_size: int, tokens: int, runtime: int, file_bytes: int = 0) -> dict[str, int]:
     """Bytes per component for one rank of ``world_size`` (1: one process, nothing sharded)."""
     accumulator = FisherAccumulator(model, kind=kind, dtype=accumulator_dtype)  # meta sums: shapes only
     mb = next(model.parameters()).element_size()
@@ -79,7 +84,7 @@ def memory_plan(model: nn.Module, *, world_size: int, kind: str, accumulator_dty
     plan = {
         "model" if world_size == 1 else "model shard": sum(_rows_bytes(tuple(p.shape), world_size, mb)
                                                           for p in parameters.values()),
-        "unsharded weights": 0 if world_size == 1 else root_bytes + 2 * layer_bytes,
+        "unsharded weights": 0 if world_size == 1 else root_bytes + 4 * layer_bytes,
         "diagonal sums" if world_size == 1 else "diagonal shard": sum(
             _rows_bytes(tuple(t.shape), world_size, ab) for t in diagonal),
         "diagonal working set": 0 if world_size == 1 or not diagonal else 2 * max(t.numel() for t in diagonal) * ab,
@@ -87,6 +92,7 @@ def memory_plan(model: nn.Module, *, world_size: int, kind: str, accumulator_dty
         "KFAC working set": 0 if world_size == 1 or not sides else 2 * max(sides),
         "activations (one batch)": batch_size * tokens * per_token,
         "runtime (python, torch)": runtime,
+        "checkpoint pages (load)": file_bytes if world_size == 1 else 0,
     }
     return plan
 
@@ -98,9 +104,11 @@ def dry_run_report(settings, config, world_size: int, tokens: int | None) -> str
                              trust_remote_code=settings.trust_remote_code)
     accumulator_dtype = {"float32": torch.float32, "float64": torch.float64}[settings.accumulator_dtype]
     runtime = resident_bytes()
+    file_bytes = sum(f.stat().st_size for f in Path(settings.model).glob("*.safetensors"))
     assumed = tokens is None
     options = {"kind": settings.kind, "accumulator_dtype": accumulator_dtype, "batch_size": settings.batch_size,
-               "tokens": TOKENS_WITHOUT_ROLLOUTS if assumed else tokens, "runtime": runtime}
+               "tokens": TOKENS_WITHOUT_ROLLOUTS if assumed else tokens, "runtime": runtime,
+               "file_bytes": file_bytes}
     single = memory_plan(model, world_size=1, **options)
     sharded = memory_plan(model, world_size=world_size, **options)
     count = sum(p.numel() for p in model.parameters())

@@ -113,8 +113,13 @@ def _sample_rollouts(
     tokenizer: Callable[[], Any],
     ranks: distributed.Ranks,
     saved: Path,
+    finish: Callable[[], None] | None = None,
 ) -> list[Rollout]:
-    """Sample this rank's share of prompts; everyone gets all rollouts in prompt order."""
+    """Sample this rank's share of prompts; everyone gets all rollouts in prompt order.
+
+    ``finish()`` runs once this rank has sampled its prompts, before the ranks exchange
+    them (``--fsdp``: join the other ranks' forwards until all are done).
+    """
     if saved.exists():  # resuming: the sums were made from these samples
         return read_rollouts(saved, tokenizer)[0]
     prompts = read_prompts(settings.prompts, tokenizer)
@@ -150,6 +155,8 @@ def _sample_rollouts(
             mine.append((index, group))
         bar.update(len(chunk))
     bar.close()
+    if finish is not None:
+        finish()
     everything = sorted(pair for part in distributed.all_gather(ranks, mine) for pair in part)
     return [rollout for _, group in everything for rollout in group]
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from graftmerge.estimate.run import EstimateSettings
 from graftmerge.estimate.sharded_run import estimate_fisher_sharded
 
-PATHS = ("model", "output", "rollouts")
+PATHS = ("model", "output", "rollouts", "prompts", "save_rollouts")
 
 
 def main(jobs_file: str) -> None:
