@@ -11,6 +11,9 @@ fingerprints in one all-gather, so bad input ends every rank with the same one-l
 error and no rank waits on a collective another has left. Collectives time out after
 ``--collective-timeout`` seconds; a rank that dies mid-run makes the others fail at
 their next collective (torchrun also stops them), and no cache is published.
+
+``$GRAFTMERGE_TEST_STOP_AT=fisher-step:N`` (``formats.output_folder.stage_reached``) stops
+each rank after its N-th step, checkpoint saved, so a test can kill one there.
 """
 
 from __future__ import annotations
