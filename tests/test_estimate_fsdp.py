@@ -244,3 +244,30 @@ def test_an_output_folder_other_ranks_cannot_see_is_named(tmp_path):
     assert _probe_error(staging, "token", "host0", ranks) is None
     message = _probe_error(tmp_path / "elsewhere" / "out", "token", "host0", ranks)
     assert "not shared" in message and "rank 1" in message and "host0" in message
+
+
+def test_a_rank_out_of_memory_says_so_and_the_others_stop(inputs, tmp_path):
+    """Both ranks stop after step 1; rank 1's address space is then capped at what it has (prlimit), so its
+    next large buffer fails: it prints an out-of-memory line, rank 0 a lost-contact line, no cache."""
+    import resource
+
+    _, models, _ = inputs
+    data = write_jsonl(tmp_path / "long.jsonl", random_rollouts(12, seed=4))
+    output = tmp_path / "oom"
+    args = [str(models["qwen3-untied"]), "-o", str(output), "--kind", "both", "--rollouts", str(data),
+            "--batch-size", "2", "--fsdp", "--no-progress", "--collective-timeout", "60"]
+    processes = launch_ranks(2, lambda rank: args, {"GRAFTMERGE_TEST_STOP_AT": "fisher-step:1"})
+    deadline = time.monotonic() + TIMEOUT
+    while not all(_stopped(p.pid) for p in processes):
+        assert all(p.poll() is None for p in processes), [p.stderr.read() for p in processes]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    size = int(next(line for line in Path(f"/proc/{processes[1].pid}/status").read_text().splitlines()
+                    if line.startswith("VmSize:")).split()[1]) * 1024
+    resource.prlimit(processes[1].pid, resource.RLIMIT_AS, (size, size))
+    for process in processes:
+        process.send_signal(signal.SIGCONT)
+    survivor, starved = finished(processes)
+    assert "rank 1" in error_line(starved) and "ran out of memory" in error_line(starved)
+    assert "lost contact with the other ranks" in error_line(survivor)
+    assert not output.exists()
