@@ -271,3 +271,34 @@ def test_a_rank_out_of_memory_says_so_and_the_others_stop(inputs, tmp_path):
     assert "rank 1" in error_line(starved) and "ran out of memory" in error_line(starved)
     assert "lost contact with the other ranks" in error_line(survivor)
     assert not output.exists()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_row_shards_are_the_chunks_fsdp2_cuts(world):
+    import torch
+
+    from graftmerge.math.ownership import row_range, shard_rows
+
+    for rows in (1, 2, 3, 7, 32, 48, 129):
+        chunks = torch.arange(rows).chunk(world)
+        ranges = [row_range(rows, world, rank) for rank in range(world)]
+        assert [stop - start for start, stop in ranges] == [len(c) for c in chunks] + [0] * (world - len(chunks))
+        assert [i for start, stop in ranges for i in range(start, stop)] == list(range(rows))
+        assert all(stop - start <= shard_rows(rows, world) for start, stop in ranges)
+
+
+def test_balanced_owners_are_within_four_thirds_of_the_best_split():
+    import itertools
+    import random
+
+    from graftmerge.math.ownership import balanced_owners
+
+    generator = random.Random(0)
+    for _ in range(200):
+        world = generator.randint(1, 3)
+        sizes = [generator.choice([1, 4, 9, 16, 64]) * generator.randint(1, 5) for _ in range(generator.randint(1, 7))]
+        owners = balanced_owners(sizes, world)
+        worst = max(sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(world))
+        best = min(max(sum(s for s, o in zip(sizes, split, strict=True) if o == r) for r in range(world))
+                   for split in itertools.product(range(world), repeat=len(sizes)))
+        assert worst <= best * 4 / 3 + 1e-9
