@@ -107,6 +107,31 @@ def fisher() -> None:
     help="Run MODEL's own code (its config.json's auto_map) if it needs it; only for a model you trust. "
     "Without it such a model is refused, never asked about.",
 )
+@click.option(
+    "--fsdp",
+    is_flag=True,
+    help="Shard the model and the sums over the torchrun ranks with FSDP2 (opt-in; needs torchrun and --rollouts): "
+    "for a post model no single device holds.",
+)
+@click.option(
+    "--collective-timeout",
+    default=1800.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="--fsdp: a collective waiting this long on a lost rank fails (no cache is written).",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the memory one process, and each --fsdp rank, would need (from config.json; nothing is run).",
+)
+@click.option(
+    "--world-size",
+    type=int,
+    default=None,
+    metavar="N",
+    help="--dry-run: the number of --fsdp ranks to plan for (default: $WORLD_SIZE, else 2).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
 @report_errors
@@ -122,9 +147,22 @@ def estimate(
     # lazy: the estimator loads torch and transformers; only when the command runs, so --help stays fast
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
 
+    world_size = options.pop("world_size")
     settings = EstimateSettings(
         model=model, output=output, modules=modules, progress=not no_progress, **options
     )
-    written = estimate_fisher(settings)
+    if settings.dry_run:
+        import os
+
+        from graftmerge.estimate.memory_plan import dry_run
+
+        click.echo(dry_run(settings, world_size or int(os.environ.get("WORLD_SIZE", "2"))))
+        return
+    if settings.fsdp:
+        from graftmerge.estimate.sharded_run import estimate_fisher_sharded
+
+        written = estimate_fisher_sharded(settings)
+    else:
+        written = estimate_fisher(settings)
     if written is not None:
         click.echo(f"wrote {written}")

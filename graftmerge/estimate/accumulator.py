@@ -272,19 +272,21 @@ class FisherAccumulator:
                 self.rows[plan.kfac] += kfac_factors.token_count(
                     x, self._rows, plan.module.num_embeddings, self.dtype
                 )
+                self._factor_done(self.rows, plan.kfac)
             elif plan.columns_diagonal:
                 self.columns[plan.kfac] += kfac_factors.squared_sum(
                     x.detach(), self._rows, self.dtype
                 )
+                self._factor_done(self.columns, plan.kfac)
             else:
-                self._input_factor(x, self.columns[plan.kfac])
+                self._input_factor(x, plan.kfac)
         for parameter in plan.diagonal.values():
             self._uses[id(parameter)] = self._uses.get(id(parameter), 0) + 1
         saved = x.detach() if plan.diagonal else None
         output.register_hook(lambda g: self._backward(plan, saved, g))
 
-    def _input_factor(self, x: torch.Tensor, total: torch.Tensor) -> None:
-        """Add a aᵀ of layer input ``x`` to ``total``, once for all consecutive modules reading ``x``.
+    def _input_factor(self, x: torch.Tensor, key: str) -> None:
+        """Add a aᵀ of layer input ``x`` to ``columns[key]``, once for all consecutive modules reading ``x``.
 
         q/k/v (gate/up) read one input tensor (the same object): its product is taken once,
         when another input arrives or the forward ends, and added to each sum, so those sums
@@ -292,25 +294,27 @@ class FisherAccumulator:
         product straight into its sum.
         """
         if self._pending_input is not None and self._pending_input[0] is x:
-            self._pending_input[1].append(total)
+            self._pending_input[1].append(key)
             return
         self._flush_input()
-        self._pending_input = (x, [total])
+        self._pending_input = (x, [key])
 
     def _flush_input(self) -> None:
         """Take the pending input's a aᵀ: straight into its one sum, or once for several."""
         if self._pending_input is None:
             return
-        x, totals = self._pending_input
+        x, keys = self._pending_input
         self._pending_input = None
         rows = kfac_factors.masked_rows(x.detach(), self._rows, self.dtype)
-        if len(totals) == 1:
-            kfac_factors.add_covariance(totals[0], rows)
+        if len(keys) == 1:
+            kfac_factors.add_covariance(self.columns[keys[0]], rows)
+            self._factor_done(self.columns, keys[0])
             return
-        shared = rows.new_zeros(totals[0].shape)
+        shared = rows.new_zeros(self.columns[keys[0]].shape)
         kfac_factors.add_covariance(shared, rows)
-        for total in totals:
-            kfac_factors.add_upper(total, shared)
+        for key in keys:
+            kfac_factors.add_upper(self.columns[key], shared)
+            self._factor_done(self.columns, key)
 
     def _backward(self, plan: _ModulePlan, x: torch.Tensor | None, g: torch.Tensor) -> None:
         rows, dtype = self._rows, self.dtype
@@ -320,12 +324,15 @@ class FisherAccumulator:
                 kfac_factors.add_covariance(
                     self.columns[plan.kfac], kfac_factors.masked_rows(g, rows, dtype)
                 )
+                self._factor_done(self.columns, plan.kfac)
             elif plan.rows_diagonal:
                 self.rows[plan.kfac] += kfac_factors.squared_sum(g, rows, dtype)
+                self._factor_done(self.rows, plan.kfac)
             else:
                 kfac_factors.add_covariance(
                     self.rows[plan.kfac], kfac_factors.masked_rows(g, rows, dtype)
                 )
+                self._factor_done(self.rows, plan.kfac)
         if not plan.diagonal:
             return
         if plan.kind == "linear":
@@ -367,6 +374,13 @@ class FisherAccumulator:
         per_sequence_gradients.add_squared_gradients(
             self.diagonal[self.names[key]], parts, self._lengths, self.max_chunk_elements
         )
+        self._diagonal_done(self.names[key])
+
+    def _factor_done(self, sums: dict[str, torch.Tensor], key: str) -> None:
+        """This batch's part of one KFAC side sum is in ``sums[key]`` (a sharded run reduces it here)."""
+
+    def _diagonal_done(self, name: str) -> None:
+        """This batch's part of ``diagonal[name]`` is in (a sharded run reduce-scatters it here)."""
 
     # -- results ------------------------------------------------------------
     def _complete_factors(self) -> None:

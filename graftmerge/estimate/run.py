@@ -78,6 +78,9 @@ class EstimateSettings:
     attn_implementation: str = "sdpa"
     progress: bool = True
     trust_remote_code: bool = False  # run the model folder's own code (auto_map); never asked on the terminal
+    fsdp: bool = False  # shard the model and the sums with FSDP2 (estimate.sharded_run; under torchrun)
+    collective_timeout: float = 1800.0  # --fsdp: seconds before a collective that waits on a lost rank fails
+    dry_run: bool = False  # print the memory each rank would need (estimate.memory_plan), run nothing
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -110,8 +113,13 @@ def _sample_rollouts(
     tokenizer: Callable[[], Any],
     ranks: distributed.Ranks,
     saved: Path,
+    finish: Callable[[], None] | None = None,
 ) -> list[Rollout]:
-    """Sample this rank's share of prompts; everyone gets all rollouts in prompt order."""
+    """Sample this rank's share of prompts; everyone gets all rollouts in prompt order.
+
+    ``finish()`` runs once this rank has sampled its prompts, before the ranks exchange
+    them (``--fsdp``: join the other ranks' forwards until all are done).
+    """
     if saved.exists():  # resuming: the sums were made from these samples
         return read_rollouts(saved, tokenizer)[0]
     prompts = read_prompts(settings.prompts, tokenizer)
@@ -147,6 +155,8 @@ def _sample_rollouts(
             mine.append((index, group))
         bar.update(len(chunk))
     bar.close()
+    if finish is not None:
+        finish()
     everything = sorted(pair for part in distributed.all_gather(ranks, mine) for pair in part)
     return [rollout for _, group in everything for rollout in group]
 
@@ -158,6 +168,9 @@ def estimate_fisher(
 
     ``after_batch(i)`` is called after the i-th batch of this rank (tests use it to interrupt).
     """
+    if settings.fsdp:
+        raise GraftError("estimate_fisher runs data-parallel; call "
+                         "graftmerge.estimate.sharded_run.estimate_fisher_sharded for --fsdp")
     ranks = distributed.start(settings.device)
     try:
         with _output_folder(settings, ranks) as output:

@@ -1,0 +1,304 @@
+"""``fisher estimate --fsdp``: real torchrun (gloo) processes against one process, and how runs fail.
+
+Equality: one torchrun launch per world size (2, and 3 for uneven shards) runs every
+(model, kind) job in one process group; each cache must equal the one-process estimate
+on the same rollouts. Accumulators are float64 here and caches store float32, so the
+two agree to float32 rounding of the stored values (relative 1e-6 on every diagonal and
+reconstructed factor; docs/fisher-estimation.md states the float32-accumulator bound).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from graftmerge.estimate.checkpointing import checkpoint_folder
+from graftmerge.estimate.run import EstimateSettings, estimate_fisher
+from graftmerge.formats.fisher_cache import open_fisher_cache
+from graftmerge.testing.tiny_models import save_tiny_model
+from tests.helpers.estimation import TINY, caches_close, make_model, random_rollouts, write_jsonl
+from tests.helpers.runners import cli, error_line, refused
+
+MODELS = {"qwen3-tied": {"tied": True}, "qwen3-untied": {"tied": False}, "gpt2": {"architecture": "gpt2"}}
+KINDS = ("diagonal", "kfac", "both")
+WORKER = Path(__file__).parent / "helpers" / "fsdp_worker.py"
+TIMEOUT = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environment() -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{root}:{path}" if path else root}
+
+
+def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=environment())
+
+
+def launch_ranks(world: int, args_of_rank, extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """``graftmerge fisher estimate`` as ``world`` processes joined the way torchrun joins them (env://)."""
+    port = str(free_port())
+    processes = []
+    for rank in range(world):
+        env = {**environment(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               **(extra_env or {})}
+        command = [sys.executable, "-m", "graftmerge", "fisher", "estimate", *args_of_rank(rank)]
+        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
+    return processes
+
+
+def finished(processes: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=TIMEOUT)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    return results
+
+
+def one_process(model: Path, data: Path, output: Path, kind: str) -> Path:
+    return estimate_fisher(EstimateSettings(model=model, output=output, rollouts=data, kind=kind, batch_size=2,
+                                            accumulator_dtype="float64", progress=False))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    models = {}
+    for name, options in MODELS.items():
+        if "architecture" in options:
+            save_tiny_model(root / name, seed=1, max_shard_size="40KB", **TINY, **options)
+            models[name] = root / name
+        else:
+            models[name] = make_model(root / name, **options)
+    data = write_jsonl(root / "rollouts.jsonl", random_rollouts(9, seed=5))  # 5 batches of 2: uneven over 2 and 3
+    return root, models, data
+
+
+# every (model, kind) once; 3 ranks (uneven shards of 9 rollouts in batches of 2) get the larger share
+JOBS = {
+    3: [("qwen3-tied", "both"), ("qwen3-untied", "both"), ("gpt2", "both"), ("qwen3-tied", "kfac"),
+        ("gpt2", "diagonal")],
+    2: [("qwen3-tied", "diagonal"), ("qwen3-untied", "kfac"), ("qwen3-untied", "diagonal"), ("gpt2", "kfac")],
+}
+CASES = [(world, model, kind) for world, jobs in JOBS.items() for model, kind in jobs]
+
+
+@pytest.fixture(scope="module")
+def caches(inputs):
+    """{(world, model, kind): (one-process cache, torchrun cache)}: one torchrun launch per world size."""
+    root, models, data = inputs
+    found = {}
+    for world, jobs in JOBS.items():
+        specs = []
+        for name, kind in jobs:
+            output = root / f"fsdp{world}-{name}-{kind}"
+            specs.append({"model": str(models[name]), "output": str(output), "rollouts": str(data), "kind": kind,
+                          "batch_size": 2, "accumulator_dtype": "float64"})
+            found[world, name, kind] = (one_process(models[name], data, root / f"single-{name}-{kind}", kind), output)
+        if world == 2:  # --prompts: sampled with sharded weights, 3 prompts on rank 0 and 2 on rank 1
+            specs.append({**SAMPLING, "model": str(models["qwen3-untied"]), "output": str(root / "fsdp-sampled"),
+                          "prompts": str(prompts(root)), "save_rollouts": str(root / "fsdp-sampled.jsonl")})
+        (root / f"jobs{world}.json").write_text(json.dumps(specs))
+        done = torchrun(world, str(WORKER), str(root / f"jobs{world}.json"))
+        assert done.returncode == 0, done.stderr[-4000:]
+    return found
+
+
+SAMPLING = {"kind": "both", "batch_size": 2, "accumulator_dtype": "float64", "samples_per_prompt": 2,
+            "max_new_tokens": 5, "seed": 7, "sample_batch_size": 1}
+
+
+def prompts(root: Path) -> Path:
+    path = root / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ([1, 2, 3], [4], [5, 6], [7, 8], [9])))
+    return path
+
+
+def test_prompts_sampled_with_sharded_weights_equal_one_process(inputs, caches):
+    """Each rank samples its own prompts in step with the others: the same samples (one generator per prompt)
+    and the same cache as one process."""
+    root, models, _ = inputs
+    settings = EstimateSettings(model=models["qwen3-untied"], output=root / "single-sampled", prompts=prompts(root),
+                                save_rollouts=root / "single-sampled.jsonl", progress=False, **SAMPLING)
+    estimate_fisher(settings)
+    assert (root / "fsdp-sampled.jsonl").read_text() == (root / "single-sampled.jsonl").read_text()
+    assert len((root / "single-sampled.jsonl").read_text().splitlines()) == 10
+    caches_close(root / "single-sampled", root / "fsdp-sampled", rtol=1e-6)
+
+
+@pytest.mark.parametrize(("world", "model", "kind"), CASES)
+def test_sharded_cache_equals_one_process(caches, world, model, kind):
+    single, sharded = caches[world, model, kind]
+    a, b = open_fisher_cache(single).manifest, open_fisher_cache(sharded).manifest
+    assert b["estimator"]["world_size"] == world and b["estimator"]["fsdp"]["world_size"] == world
+    assert a["counts"] == b["counts"]
+    assert a["entries"] == b["entries"]  # the same weights, kinds and (shared) factor keys
+    assert {k: {f: v for f, v in r.items() if f != "clamped"} for k, r in a["factors"].items()} == {
+        k: {f: v for f, v in r.items() if f != "clamped"} for k, r in b["factors"].items()}
+    assert a["model"] == b["model"]
+    files = set(b["files"].values())
+    assert all(f.startswith("fisher-rank") for f in files)
+    assert sorted(p.name for p in sharded.iterdir()) == sorted([*files, "fisher_manifest.json"])
+    caches_close(single, sharded, rtol=1e-6)
+
+
+def test_fsdp_outside_torchrun_is_one_line(inputs, tmp_path, monkeypatch):
+    _, models, data = inputs
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    result = cli("fisher", "estimate", models["qwen3-tied"], "-o", tmp_path / "out", "--rollouts", data, "--fsdp")
+    assert "torchrun" in refused(result)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_input_seen_by_one_rank_stops_every_rank_with_the_same_line(inputs, tmp_path):
+    """OUT exists (only rank 0 opens it): every rank prints rank 0's line and exits 2, nobody waits."""
+    _, models, data = inputs
+    (tmp_path / "out").mkdir()
+    args = [str(models["qwen3-tied"]), "-o", str(tmp_path / "out"), "--rollouts", str(data), "--fsdp",
+            "--no-progress"]
+    results = finished(launch_ranks(2, lambda rank: args))
+    lines = {error_line(result) for result in results}
+    assert len(lines) == 1 and "already exists" in lines.pop()
+
+
+def test_ranks_that_disagree_on_arguments_are_refused(inputs, tmp_path):
+    _, models, data = inputs
+    results = finished(launch_ranks(2, lambda rank: [
+        str(models["qwen3-tied"]), "-o", str(tmp_path / "out"), "--rollouts", str(data), "--fsdp", "--no-progress",
+        "--batch-size", str(2 + rank)]))
+    lines = {error_line(result) for result in results}
+    assert len(lines) == 1 and "ranks disagree on the arguments" in lines.pop()
+    assert not (tmp_path / "out").exists()
+
+
+def test_killed_rank_leaves_no_cache_and_the_rerun_resumes(inputs, tmp_path):
+    """Both ranks stop themselves after step 2 (checkpointed); rank 1 is killed, rank 0 let go: rank 0 fails
+    at its next collective with one line, no cache. The same command then resumes; 3 ranks are refused."""
+    root, models, _ = inputs
+    data = write_jsonl(tmp_path / "long.jsonl", random_rollouts(16, seed=9))
+    model, output = models["qwen3-untied"], tmp_path / "fisher" / "killed"
+    args = [str(model), "-o", str(output), "--kind", "both", "--rollouts", str(data), "--batch-size", "2",
+            "--accumulator-dtype", "float64", "--checkpoint-every", "1", "--fsdp", "--no-progress",
+            "--collective-timeout", "60"]
+    processes = launch_ranks(2, lambda rank: args, {"GRAFTMERGE_TEST_STOP_AT": "fisher-step:2"})
+    deadline = time.monotonic() + TIMEOUT
+    while not all(_stopped(p.pid) for p in processes):
+        assert all(p.poll() is None for p in processes), [p.stderr.read() for p in processes]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    processes[1].send_signal(signal.SIGKILL)
+    processes[0].send_signal(signal.SIGCONT)
+    survivor = finished(processes[:1])[0]
+    processes[1].wait()
+    assert "lost contact with the other ranks" in error_line(survivor)
+    assert not output.exists()
+    assert sorted(p.name for p in checkpoint_folder(output).iterdir()) == ["rank00000.pt", "rank00001.pt"]
+
+    refused_three = finished(launch_ranks(3, lambda rank: args))
+    assert {"belongs to a run with other settings" in error_line(r) for r in refused_three} == {True}
+
+    resumed = finished(launch_ranks(2, lambda rank: args))
+    assert [r.returncode for r in resumed] == [0, 0], resumed[0].stderr[-3000:] + resumed[1].stderr[-3000:]
+    assert not checkpoint_folder(output).exists()
+    single = one_process(model, data, tmp_path / "single", "both")
+    assert open_fisher_cache(output).manifest["counts"] == open_fisher_cache(single).manifest["counts"]
+    caches_close(single, output, rtol=1e-6)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def test_an_output_folder_other_ranks_cannot_see_is_named(tmp_path):
+    import torch
+
+    from graftmerge.estimate.distributed import Ranks
+    from graftmerge.estimate.sharded_run import PROBE_NAME, _probe_error
+
+    ranks = Ranks(1, 2, torch.device("cpu"), False)
+    staging = tmp_path / ".out.partial-1-x" / "out"
+    staging.mkdir(parents=True)
+    (staging.parent / PROBE_NAME).write_text("token")
+    assert _probe_error(staging, "token", "host0", ranks) is None
+    message = _probe_error(tmp_path / "elsewhere" / "out", "token", "host0", ranks)
+    assert "not shared" in message and "rank 1" in message and "host0" in message
+
+
+def test_a_rank_out_of_memory_says_so_and_the_others_stop(inputs, tmp_path):
+    """Both ranks stop after step 1; rank 1's address space is then capped at what it has (prlimit), so its
+    next large buffer fails: it prints an out-of-memory line, rank 0 a lost-contact line, no cache."""
+    import resource
+
+    _, models, _ = inputs
+    data = write_jsonl(tmp_path / "long.jsonl", random_rollouts(12, seed=4))
+    output = tmp_path / "oom"
+    args = [str(models["qwen3-untied"]), "-o", str(output), "--kind", "both", "--rollouts", str(data),
+            "--batch-size", "2", "--fsdp", "--no-progress", "--collective-timeout", "60"]
+    processes = launch_ranks(2, lambda rank: args, {"GRAFTMERGE_TEST_STOP_AT": "fisher-step:1"})
+    deadline = time.monotonic() + TIMEOUT
+    while not all(_stopped(p.pid) for p in processes):
+        assert all(p.poll() is None for p in processes), [p.stderr.read() for p in processes]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    size = int(next(line for line in Path(f"/proc/{processes[1].pid}/status").read_text().splitlines()
+                    if line.startswith("VmSize:")).split()[1]) * 1024
+    resource.prlimit(processes[1].pid, resource.RLIMIT_AS, (size, size))
+    for process in processes:
+        process.send_signal(signal.SIGCONT)
+    survivor, starved = finished(processes)
+    assert "rank 1" in error_line(starved) and "ran out of memory" in error_line(starved)
+    assert "lost contact with the other ranks" in error_line(survivor)
+    assert not output.exists()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_row_shards_are_the_chunks_fsdp2_cuts(world):
+    import torch
+
+    from graftmerge.math.ownership import row_range, shard_rows
+
+    for rows in (1, 2, 3, 7, 32, 48, 129):
+        chunks = torch.arange(rows).chunk(world)
+        ranges = [row_range(rows, world, rank) for rank in range(world)]
+        assert [stop - start for start, stop in ranges] == [len(c) for c in chunks] + [0] * (world - len(chunks))
+        assert [i for start, stop in ranges for i in range(start, stop)] == list(range(rows))
+        assert all(stop - start <= shard_rows(rows, world) for start, stop in ranges)
+
+
+def test_balanced_owners_are_within_four_thirds_of_the_best_split():
+    import itertools
+    import random
+
+    from graftmerge.math.ownership import balanced_owners
+
+    generator = random.Random(0)
+    for _ in range(200):
+        world = generator.randint(1, 3)
+        sizes = [generator.choice([1, 4, 9, 16, 64]) * generator.randint(1, 5) for _ in range(generator.randint(1, 7))]
+        owners = balanced_owners(sizes, world)
+        worst = max(sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(world))
+        best = min(max(sum(s for s, o in zip(sizes, split, strict=True) if o == r) for r in range(world))
+                   for split in itertools.product(range(world), repeat=len(sizes)))
+        assert worst <= best * 4 / 3 + 1e-9
