@@ -12,3 +12,12 @@ class GraftError(ValueError):
     Command-line entry points print ``error: <message>`` and exit non-zero;
     the traceback is shown only with ``-v``.
     """
+
+
+class OutOfMemory(GraftError):
+    """A process ran out of memory: the command line says so in one line and exits at once.
+
+    Exiting at once (no interpreter shutdown) because shutdown's own handlers (e.g. torch's)
+    may import or allocate, fail again, and print a traceback after the one line.
+    """
+

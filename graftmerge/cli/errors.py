@@ -7,10 +7,12 @@ The only place that maps errors to click: for ``graftmerge``'s commands and for 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
 import click
 
-from graftmerge.errors import GraftError
+from graftmerge.errors import GraftError, OutOfMemory
 
 
 class OneLineError(click.ClickException):
@@ -51,3 +53,12 @@ def one_line_click_errors(enabled: bool = True):
         context = getattr(error, "ctx", None)
         hint = f" (see '{context.command_path} --help')" if context is not None else ""
         raise OneLineError(" ".join(error.format_message().split()) + hint) from None
+
+
+def exit_out_of_memory(error: OutOfMemory):
+    """``error: <message>``, then exit 2 at once: no shutdown handlers, which could fail again for want of memory."""
+    click.echo(f"error: {error}", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
+

@@ -7,6 +7,8 @@ from pathlib import Path
 import click
 
 from graftmerge.cli import LazyGroup, report_errors
+from graftmerge.cli.errors import exit_out_of_memory
+from graftmerge.errors import OutOfMemory
 
 FISHER_COMMANDS = {
     "push": ("graftmerge.cli.hub", "fisher_push",
@@ -161,7 +163,12 @@ def estimate(
     if settings.fsdp:
         from graftmerge.estimate.sharded_run import estimate_fisher_sharded
 
-        written = estimate_fisher_sharded(settings)
+        try:
+            written = estimate_fisher_sharded(settings)
+        except OutOfMemory as error:
+            if verbose:
+                raise
+            exit_out_of_memory(error)
     else:
         written = estimate_fisher(settings)
     if written is not None:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from graftmerge.errors import GraftError
+from graftmerge.errors import GraftError, OutOfMemory
 from graftmerge.estimate import checkpointing, distributed, kfac_factors
 from graftmerge.estimate.batching import batches_of_rank, pad_batch, plan_batches
 from graftmerge.estimate.model_loading import causal_lm_config, tokenizer_loader
@@ -161,12 +161,12 @@ def estimate_fisher_sharded(settings, after_batch: Callable[[int], None] | None 
         output, prepared = prepare(settings, ranks)
         return _run(settings, ranks, group, output, prepared, after_batch)
     except (MemoryError, torch.OutOfMemoryError) as error:
-        raise GraftError(out_of_memory(ranks, error)) from error
+        raise OutOfMemory(out_of_memory(ranks, error)) from error
     except dist.DistError as error:
         raise GraftError(lost_contact(ranks, error)) from error
     except RuntimeError as error:
         if any(sign in str(error) for sign in OUT_OF_MEMORY):
-            raise GraftError(out_of_memory(ranks, error)) from error
+            raise OutOfMemory(out_of_memory(ranks, error)) from error
         if any(sign in str(error) for sign in LOST_CONTACT):
             raise GraftError(lost_contact(ranks, error)) from error
         raise
