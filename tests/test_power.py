@@ -45,7 +45,8 @@ def test_tost_power_matches_simulation() -> None:
         error = samples.std(1) / math.sqrt(n)
         mean = samples.mean(1)
         equivalent = ((mean + margin) / error > critical) & ((mean - margin) / error < -critical)
-        assert tost_power(n, margin, sd, alpha, difference) == pytest.approx(float(equivalent.double().mean()), abs=0.005)
+        simulated = float(equivalent.double().mean())
+        assert tost_power(n, margin, sd, alpha, difference) == pytest.approx(simulated, abs=0.005)
 
 
 def test_seeds_needed_is_the_first_n_with_enough_power() -> None:
