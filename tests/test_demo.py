@@ -93,7 +93,9 @@ def test_lm_demo_at_tiny_size(tiny_run) -> None:
     assert set(seed["tested"]) == {p["name"] for row in chosen.values() for p in row["per_seed"]} - {"post"}
     assert {q["verdict"] for q in results["questions"].values()} == {"too few seeds"}
     assert results["donor_verdict"].startswith("too few seeds") and "cannot rank the methods" in stdout
-    assert results["gate"]["passed"] is False and results["gate"]["n"] == 1
+    gates = results["gates"]["chosen"]  # one replay: one stratum
+    assert {name: (row["passed"], row["n"]) for name, row in gates.items()} == {"sensitivity": (False, 1),
+                                                                               "interference": (False, 1)}
     assert {"sft", "donor fine-tune", "opsd-forward", "pretraining"} == set(results["compute"])
     assert results["compute"]["opsd-forward"]["sampling_seconds"] > 0
     assert all(0 <= share <= 1 for share in results["top_share"].values())

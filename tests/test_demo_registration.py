@@ -18,7 +18,7 @@ from graftmerge.demo.lm import ModelSize, TrainSettings, build_model, epoch_batc
 from graftmerge.demo.lm_settings import FULL, QUICK, TINY, grid, updates
 from graftmerge.demo.lm_tasks import world_tokenizer, write_task_files
 from graftmerge.demo.lm_training import seed_world
-from graftmerge.demo.lm_verdict import CHANCE, choose_point, gate, question, verdict
+from graftmerge.demo.lm_verdict import CHANCE, choose_point, donor_verdict, gate, interference, question, verdict
 from graftmerge.demo.world import PHRASINGS, RELATIONS, World, balanced_values
 from graftmerge.evaluation import Evaluator, load_tasks, role_scores
 
@@ -136,24 +136,25 @@ def test_question_by_hand() -> None:
     assert question({"0.01": [0.1]})["verdict"] == "too few seeds"
 
 
-@pytest.mark.parametrize(("donors", "passed", "p_lower"), [
+@pytest.mark.parametrize(("donors", "passed", "p"), [
     ([0.50, 0.51, 0.52], True, 0.0),  # −0.03 every seed: no spread
     ([0.52, 0.53, 0.54], False, 0.0),  # −0.01 every seed: significant but below the registered 0.02
     ([0.51, 0.51, 0.51], True, _tail(0.03 / (0.01 / math.sqrt(3)))),  # −0.02, −0.03, −0.04: t = −5.196
     ([0.53, 0.51, 0.49], False, _tail(0.03 / (0.03 / math.sqrt(3)))),  # 0, −0.03, −0.06: t = −1.732, p 0.113
     ([0.56, 0.57, 0.58], False, 1.0),  # donors write more
 ])
-def test_gate_by_hand(donors: list[float], passed: bool, p_lower: float) -> None:
+def test_gate_by_hand(donors: list[float], passed: bool, p: float) -> None:
     sft = [0.53, 0.54, 0.55]
     row = gate({"donors": dict(enumerate(donors)), "sft": dict(enumerate(sft))})
     assert row["passed"] is passed
-    assert row["p_lower"] == pytest.approx(p_lower, abs=1e-9)
+    assert row["p"] == pytest.approx(p, abs=1e-9)
     assert gate({"donors": {0: 0.1}, "sft": {0: 0.5}})["passed"] is False  # one seed cannot pass
 
 
 def test_registered_grids() -> None:
     """What docs/demo-preregistration-2.md registers: every method the same grid; the grid's reach; 12 seeds."""
-    assert FULL.seeds == tuple(range(12)) and FULL.donors == ("late", "end") and FULL.replays == ("none", "own")
+    assert FULL.seeds == tuple(range(1, 13))  # seed 0 was the pilot: not among the registered seeds
+    assert FULL.donors == ("late", "end") and FULL.replays == ("none", "own")
     assert min(FULL.lambdas) <= 0.1 and max(rho for _, rho in FULL.masks) >= 0.1
     assert FULL.balanced_new and FULL.new_entities % 8 == 0 and FULL.pretrain_task_a > 0
     assert {u.family for u in updates(FULL)} == {"sft", "graft@late", "graft@end", "opsd-reverse"}
@@ -161,3 +162,39 @@ def test_registered_grids() -> None:
     assert set(per_family.values()) == {len(FULL.learning_rates) * len(FULL.replays)}
     assert len(updates(QUICK)) * len(QUICK.epochs) * len(grid(QUICK)) <= 200  # the quick run stays ≤ 5 min
     assert World(FULL.known_entities, FULL.new_entities, seed=0).facts != seed_world(FULL, 0)[0].facts
+
+
+def _sft_point(name: str, old: float, new: float, lam: float = 1.0) -> dict:
+    return {"name": name, "family": "sft", "replay": "none", "learning_rate": 1e-3, "epochs": 1, "lam": lam,
+            "mask": None, "rho": 0.0, "old_validation": old, "new_validation": new}
+
+
+def test_interference_gate_by_hand() -> None:
+    """Plain SFT's best new-task score (0.9, forgetting task A) against its best within τ of θpost's task A."""
+    post = {"old_validation": 1.0, "new_validation": 0.1}
+    within = [0.6, 0.7, 0.5]  # gaps 0.3, 0.2, 0.4: mean 0.3, sd 0.1, t = 5.196
+    evaluated = {seed: {"models": {"post": post},
+                        "points": [_sft_point("forgets", 0.8, 0.9), _sft_point("keeps", 0.99, value),
+                                   _sft_point("merged", 0.5, 1.0, lam=0.5)]}  # not plain SFT: ignored
+                 for seed, value in enumerate(within)}
+    row = interference(TINY, evaluated, None)
+    assert row["diffs"] == pytest.approx([0.3, 0.2, 0.4]) and row["passed"]
+    assert row["p"] == pytest.approx(_tail(0.3 / (0.1 / math.sqrt(3))), abs=1e-9)
+    for result in evaluated.values():  # plain SFT keeps task A at its best: nothing for a merge to save
+        result["points"][0]["old_validation"] = 0.97
+    assert interference(TINY, evaluated, None)["diffs"] == [0.0, 0.0, 0.0]
+    assert not interference(TINY, evaluated, None)["passed"]
+
+
+def test_donor_verdict_needs_both_gates() -> None:
+    passed, failed = {"passed": True}, {"passed": False}
+    positive = {"verdict": "positive"}
+    assert donor_verdict(positive, {"sensitivity": passed, "interference": passed}).startswith("reproduced")
+    assert donor_verdict(positive, {"sensitivity": passed, "interference": failed}) == \
+        "this setting cannot test it (gate failed: interference)"
+    assert donor_verdict({"verdict": "equivalent"}, {"sensitivity": failed, "interference": failed}) == \
+        "this setting cannot test it (gate failed: sensitivity, interference)"
+    assert donor_verdict({"verdict": "negative"}, {"sensitivity": passed, "interference": passed}) == \
+        "not reproduced: masked SFT beats the graft"
+    assert donor_verdict({"verdict": "too few seeds"}, {"sensitivity": failed, "interference": failed}).startswith(
+        "too few seeds")

@@ -11,9 +11,12 @@ Each registered question is a paired difference of chosen points' new-task test 
 (one difference per seed) tested at every τ: a two-sided paired t, its p-values Holm-adjusted
 across τ, and TOST with the margin registered here. Its verdict (:func:`verdict`) is
 "positive"/"negative" where a Holm-adjusted test rejects, "equivalent" where every τ's TOST
-accepts (an intersection–union test: no correction needed), else "inconclusive". The donor
-question is answered only if the gate passes (:func:`gate`): donors must write measurably less
-F·Δ² to θpost's top-1 % Fisher coordinates than SFT, else "this setting cannot test it".
+accepts (an intersection–union test: no correction needed), else "inconclusive". With several
+replays, the donor question is asked within each replay (the headline one: ``PRIMARY_REPLAY``)
+and answered only if both gates pass there: donors write measurably less F·Δ² to θpost's
+top-1 % Fisher coordinates than SFT (:func:`gate`), and plain SFT interferes: its best
+new-task validation score is measurably above the best it reaches within τ of θpost's task A
+(:func:`interference`); else "this setting cannot test it".
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ Point = dict[str, Any]
 ALPHA = 0.05
 MARGIN = 0.05  # TOST: |difference| < 0.05 of new-task accuracy counts as "the same" (the power analysis's δ)
 GATE_REDUCTION = 0.02  # donors' top-1 % share must be at least this much below SFT's, and significantly so
+INTERFERENCE = 0.05  # plain SFT's best new-task validation must exceed its best within τ by this much, significantly
+PRIMARY_REPLAY = "none"  # the stratum whose donor verdict is the headline (docs/demo-preregistration-2.md says why)
 CHANCE = 1 / 8  # a model that ignores the entity, with values dealt evenly (world.balanced_values)
 DONOR_QUESTION = ("graft", "SFT + merge + mask")
 TESTED = ("old_test", "new_test", "new_test_nll", "new_test_choice", "new_validation_nll", "new_validation_choice")
@@ -51,7 +56,7 @@ def member_table(settings: LmDemoSettings) -> dict[str, Any]:
     """Method family → membership test: the registration-1 families, plus the graft and masked SFT per replay."""
     table = families(settings)
     if len(settings.replays) > 1:
-        for name in DONOR_QUESTION:
+        for name in (*DONOR_QUESTION, "SFT"):
             for replay in settings.replays:
                 table[f"{name} [replay {replay}]"] = (
                     lambda p, member=table[name], replay=replay: member(p) and p.get("replay") == replay)
@@ -130,13 +135,14 @@ def question(diffs: dict[str, list[float]], margin: float = MARGIN) -> dict[str,
     return {"per_tolerance": outcomes, "verdict": verdict(outcomes), "margin": margin}
 
 
-def _family_shares(evaluated: dict[int, dict], prefix: str) -> dict[int, float]:
-    """Per seed: the mean top-1 % F·Δ² share over every update snapshot whose family starts with ``prefix``."""
+def _family_shares(evaluated: dict[int, dict], prefix: str, replay: str | None = None) -> dict[int, float]:
+    """Per seed: the mean top-1 % F·Δ² share over every update snapshot whose family starts with ``prefix``
+    (and, given ``replay``, trained with that replay)."""
     shares = {}
     for seed, result in evaluated.items():
         values = [s["top_share"] for name, s in result["updates"].items()
                   if not name.startswith("post-") and name.replace(FOLDER_AT, "@").split("-")[0].startswith(prefix)
-                  and s["top_share"] is not None]
+                  and (replay is None or f"-rp{replay}-" in name) and s["top_share"] is not None]
         if values:
             shares[seed] = statistics.fmean(values)
     return shares
@@ -145,19 +151,36 @@ def _family_shares(evaluated: dict[int, dict], prefix: str) -> dict[int, float]:
 def gate(shares: dict[str, dict[int, float]], reduction: float = GATE_REDUCTION) -> dict[str, Any]:
     """Do donors write measurably less to θpost's top-1 % Fisher coordinates than SFT?
 
-    ``shares``: {"donors": {seed: share}, "sft": {seed: share}}. Passes when the paired
-    difference donors − SFT is at most −``reduction`` on average and a one-sided paired t
-    rejects "not lower" at α = 0.05. With fewer than 2 seeds it cannot pass.
+    ``shares``: {"donors": {seed: share}, "sft": {seed: share}}: :func:`measurable` on SFT − donors.
     """
     seeds = sorted(set(shares["donors"]) & set(shares["sft"]))
-    values = [shares["donors"][s] - shares["sft"][s] for s in seeds]
-    row: dict[str, Any] = {"n": len(values), "diffs": values, "reduction": reduction,
-                           "mean": statistics.fmean(values) if values else math.nan, "p_lower": None}
+    return measurable([shares["sft"][s] - shares["donors"][s] for s in seeds], reduction)
+
+
+def measurable(values: list[float], least: float) -> dict[str, Any]:
+    """Whether per-seed ``values`` are measurably positive: mean ≥ ``least`` and a one-sided paired t rejects
+    "mean ≤ 0" at α = 0.05. With fewer than 2 seeds it cannot pass."""
+    row: dict[str, Any] = {"n": len(values), "diffs": values, "least": least,
+                           "mean": statistics.fmean(values) if values else math.nan, "p": None}
     if len(values) >= 2:
         test = paired_t(values)
-        row["p_lower"] = test.p / 2 if test.t < 0 else 1 - test.p / 2
-    row["passed"] = bool(row["p_lower"] is not None and row["p_lower"] < ALPHA and row["mean"] <= -reduction)
+        row["p"] = test.p / 2 if test.t > 0 else 1 - test.p / 2
+    row["passed"] = bool(row["p"] is not None and row["p"] < ALPHA and row["mean"] >= least)
     return row
+
+
+def interference(settings: LmDemoSettings, evaluated: dict[int, dict], replay: str | None) -> dict[str, Any]:
+    """Does plain SFT (λ = 1, no mask) forget? Per seed: its best new-task validation score over its
+    configurations minus the best among those within the tightest τ of θpost's task A (θpost's when none is)."""
+    member = member_table(settings)["SFT" if replay is None else f"SFT [replay {replay}]"]
+    tolerance = min(settings.tolerances)
+    gaps = []
+    for seed in sorted(evaluated):
+        points = [p for p in evaluated[seed]["points"] if member(p)]
+        if points:
+            best = max(p["new_validation"] for p in points)
+            gaps.append(best - choose_point(points, evaluated[seed]["models"]["post"], tolerance)["new_validation"])
+    return measurable(gaps, INTERFERENCE)
 
 
 def grid_edges(settings: LmDemoSettings, chosen: dict[str, dict]) -> dict[str, int]:
@@ -189,47 +212,69 @@ def registered_questions(settings: LmDemoSettings) -> dict[str, list[tuple[str, 
     return groups
 
 
-def answer(settings: LmDemoSettings, chosen: dict[str, dict], gate_row: dict[str, Any]) -> dict[str, Any]:
-    """Every registered question's tests and verdict; the donor verdict in the registration's words."""
+def strata(settings: LmDemoSettings) -> list[str | None]:
+    """The replays the donor question is asked within (None: the replay chosen on validation, or the only one)."""
+    return [*settings.replays, None] if len(settings.replays) > 1 else [None]
+
+
+def _suffix(replay: str | None) -> str:
+    return "" if replay is None else f" [replay {replay}]"
+
+
+def gates(settings: LmDemoSettings, evaluated: dict[int, dict]) -> dict[str, dict[str, Any]]:
+    """Per stratum: the F·Δ² gate (donors pooled; each donor reported) and the interference gate."""
+    result = {}
+    for replay in strata(settings):
+        sft = _family_shares(evaluated, "sft", replay)
+        per_donor = {d: gate({"donors": _family_shares(evaluated, f"graft@{d}", replay), "sft": sft})
+                     for d in settings.donors}
+        result[replay or "chosen"] = {
+            "sensitivity": {**gate({"donors": _family_shares(evaluated, "graft@", replay), "sft": sft}),
+                            "per_donor": per_donor},
+            "interference": interference(settings, evaluated, replay)}
+    return result
+
+
+DONOR_WORDS = {"positive": "reproduced: the graft beats masked SFT",
+               "negative": "not reproduced: masked SFT beats the graft",
+               "equivalent": f"not reproduced: the graft and masked SFT are equivalent within ±{MARGIN:g}",
+               "inconclusive": "inconclusive",
+               "too few seeds": "too few seeds to test (one seed cannot rank methods)"}
+
+
+def donor_verdict(found: dict[str, Any] | None, gate_rows: dict[str, Any]) -> str:
+    """The donor question's verdict in the registration's words, the gates first."""
+    failed = [name for name in ("sensitivity", "interference") if not gate_rows[name]["passed"]]
+    if found is None:
+        return "not run"
+    if failed and found["verdict"] != "too few seeds":
+        return f"this setting cannot test it (gate failed: {', '.join(failed)})"
+    return DONOR_WORDS[found["verdict"]]
+
+
+def answer(settings: LmDemoSettings, chosen: dict[str, dict], gate_rows: dict[str, dict]) -> dict[str, Any]:
+    """Every registered question's tests and verdict; the donor verdict per stratum."""
     answers = {}
-    for group, pairs in registered_questions(settings).items():
-        for left, right in pairs:
-            if not all(left in rows and (isinstance(right, float) or right in rows) for rows in chosen.values()):
-                continue
-            label = f"{left} − {'chance (1/8)' if isinstance(right, float) else right}"
-            diffs = {tolerance: differences(rows, left, right) for tolerance, rows in chosen.items()}
-            answers[label] = {"group": group, **question(diffs)}
-    donor = answers.get(f"{DONOR_QUESTION[0]} − {DONOR_QUESTION[1]}")
-    words = {"positive": "reproduced: the graft beats masked SFT",
-             "negative": "not reproduced: masked SFT beats the graft",
-             "equivalent": f"not reproduced: the graft and masked SFT are equivalent within ±{MARGIN:g}",
-             "inconclusive": "inconclusive", "too few seeds": "too few seeds to test (one seed cannot rank methods)"}
-    if donor is None:
-        headline = "not run"
-    elif not gate_row["passed"] and donor["verdict"] != "too few seeds":
-        headline = "this setting cannot test it (the gate failed: donors do not write measurably less to θpost's " \
-                   "sensitive coordinates than SFT)"
-    else:
-        headline = words[donor["verdict"]]
-    return {"questions": answers, "donor_verdict": headline}
-
-
-def gate_shares(evaluated: dict[int, dict], settings: LmDemoSettings) -> dict[str, Any]:
-    """The gate on the donors pooled (the registered one), and each donor's own row (reported)."""
-    sft = _family_shares(evaluated, "sft")
-    pooled = gate({"donors": _family_shares(evaluated, "graft@"), "sft": sft})
-    per_donor = {d: gate({"donors": _family_shares(evaluated, f"graft@{d}"), "sft": sft}) for d in settings.donors}
-    means = {"sft": sft, **{f"graft@{d}": _family_shares(evaluated, f"graft@{d}") for d in settings.donors}}
-    return {**pooled, "per_donor": per_donor,
-            "mean_share": {k: statistics.fmean(v.values()) for k, v in means.items() if v}}
+    pairs = [(group, left, right) for group, found in registered_questions(settings).items() for left, right in found]
+    pairs += [("donor", *(f"{name}{_suffix(r)}" for name in DONOR_QUESTION)) for r in strata(settings) if r]
+    for group, left, right in pairs:
+        if not all(left in rows and (isinstance(right, float) or right in rows) for rows in chosen.values()):
+            continue
+        label = f"{left} − {'chance (1/8)' if isinstance(right, float) else right}"
+        diffs = {tolerance: differences(rows, left, right) for tolerance, rows in chosen.items()}
+        answers[label] = {"group": group, **question(diffs)}
+    donor = {replay or "chosen": donor_verdict(answers.get(" − ".join(f"{n}{_suffix(replay)}" for n in DONOR_QUESTION)),
+                                               gate_rows[replay or "chosen"]) for replay in strata(settings)}
+    primary = PRIMARY_REPLAY if PRIMARY_REPLAY in donor else "chosen"
+    return {"questions": answers, "donor_verdicts": donor, "primary_stratum": primary, "donor_verdict": donor[primary]}
 
 
 def summarize(settings: LmDemoSettings, base: dict[int, dict], training: dict[int, list[dict]],
               evaluated: dict[int, dict]) -> dict[str, Any]:
     """results.json of registration 2: choices, the gate, every registered question, grid edges, compute."""
     chosen = chosen_points(settings, evaluated)
-    gate_row = gate_shares(evaluated, settings)
-    return {"registration": 2, "chosen": chosen, "gate": gate_row, **answer(settings, chosen, gate_row),
+    gate_rows = gates(settings, evaluated)
+    return {"registration": 2, "chosen": chosen, "gates": gate_rows, **answer(settings, chosen, gate_rows),
             "edges": grid_edges(settings, chosen), "chance": CHANCE,
             "setting": [{"seed": s, "end_donor_task_a": evaluated[s]["models"]["donor-end"]["old_validation"],
                          "post_task_a": evaluated[s]["models"]["post"]["old_validation"],
@@ -258,18 +303,23 @@ def format_report(results: dict[str, Any]) -> str:
             cells = "  ".join(f"{row[k]['mean']:.3f}±{row[k]['sd']:.3f}" for k in ("old_test", "new_test",
                                                                                      "new_test_nll", "new_test_choice"))
             lines.append(f"   {name:34s} {row['configurations']:7d}  {cells}")
-    gate_row = results["gate"]
-    lines.append(f"   gate (donors − SFT, top-1 % F·Δ² share): {gate_row['mean']:+.3f} over {gate_row['n']} seed(s), "
-                 f"needs ≤ −{gate_row['reduction']:g} and one-sided p < 0.05 "
-                 f"(p {'n/a' if gate_row['p_lower'] is None else format(gate_row['p_lower'], '.3f')}): "
-                 f"{'passed' if gate_row['passed'] else 'NOT passed'}")
+    for stratum, rows in results["gates"].items():
+        for name, what in (("sensitivity", "SFT − donors, top-1 % F·Δ² share"),
+                           ("interference", "plain SFT's best new val − its best within τ")):
+            row = rows[name]
+            p = "n/a" if row["p"] is None else format(row["p"], ".3f")
+            outcome = "passed" if row["passed"] else "NOT passed"
+            lines.append(f"   gate [{stratum}] {name} ({what}): {row['mean']:+.3f} over {row['n']} seed(s), needs ≥ "
+                         f"{row['least']:g} and one-sided p < 0.05 (p {p}): {outcome}")
     for label, found in results["questions"].items():
         cells = "; ".join(f"τ {row['tolerance']}: {_interval(row)}" for row in found["per_tolerance"])
         lines.append(f"   [{found['group']}] {label}: {cells} → {found['verdict']}")
     edges = results["edges"]
     lines.append(f"   chosen masked points on the grid's edge: λ smallest {edges['lambda_smallest']}, ρ largest "
                  f"{edges['rho_largest']}, ρ smallest {edges['rho_smallest']} of {edges['masked_points']}")
-    lines.append(f"   REGISTERED DONOR VERDICT: {results['donor_verdict']}")
+    for stratum, words in results["donor_verdicts"].items():
+        lines.append(f"   donor verdict [{stratum}]: {words}")
+    lines.append(f"   REGISTERED DONOR VERDICT ({results['primary_stratum']}): {results['donor_verdict']}")
     if len(results["seeds"]) < 2:
         lines.append("   one seed: these numbers cannot rank the methods (seed-to-seed spread is ±0.05 or more); "
                      "the registered experiment is `graftmerge demo --full`")
