@@ -65,7 +65,7 @@ FIRST_FULL = LmDemoSettings(  # registration 1's --full (run 2026-12-03; docs/re
 # Pre-registration 2: a late and the end donor, task A partly in pretraining, replay "none" and "own" in
 # every method's grid, λ down to 0.1 and KFAC ρ up to 0.1, 16 new entities (2 per value per relation)
 SECOND = dict(
-    registration=2, balanced_new=True, new_entities=16, pretrain_task_a=0.03, donors=("late", "end"),
+    registration=2, balanced_new=True, new_entities=16, pretrain_task_a=0.1, donors=("late", "end"),
     opsd=("reverse",), replays=("none", "own"), epochs=(8, 20),
     lambdas=(0.1, 0.25, 0.5, 1.0), masks=((None, 0.0), ("kfac", 0.01), ("kfac", 0.03), ("kfac", 0.1)),
 )
