@@ -155,7 +155,7 @@ def test_registered_grids() -> None:
     """What docs/demo-preregistration-2.md registers: every method the same grid; the grid's reach; 12 seeds."""
     assert FULL.seeds == tuple(range(1, 13))  # seed 0 was the pilot: not among the registered seeds
     assert FULL.donors == ("late", "end") and FULL.replays == ("none", "own")
-    assert min(FULL.lambdas) <= 0.1 and max(rho for _, rho in FULL.masks) >= 0.1
+    assert min(FULL.lambdas) <= 0.1 < 1 < max(FULL.lambdas) and max(rho for _, rho in FULL.masks) >= 0.1
     assert FULL.balanced_new and FULL.new_entities % 8 == 0 and FULL.pretrain_task_a > 0
     assert {u.family for u in updates(FULL)} == {"sft", "graft@late", "graft@end", "opsd-reverse"}
     per_family = Counter(u.family for u in updates(FULL))

@@ -63,11 +63,11 @@ FIRST_FULL = LmDemoSettings(  # registration 1's --full (run 2026-12-03; docs/re
     masks=((None, 0.0), ("diagonal", 0.01), ("kfac", 0.001), ("kfac", 0.01)), seeds=(0, 1, 2),
 )
 # Pre-registration 2: a late and the end donor, task A partly in pretraining, replay "none" and "own" in
-# every method's grid, λ down to 0.1 and KFAC ρ up to 0.1, 16 new entities (2 per value per relation)
+# every method's grid, λ from 0.1 to 3 and KFAC ρ up to 0.1, 16 new entities (2 per value per relation)
 SECOND = dict(
     registration=2, balanced_new=True, new_entities=16, pretrain_task_a=0.1, donors=("late", "end"),
-    opsd=("reverse",), replays=("none", "own"), epochs=(8, 20),
-    lambdas=(0.1, 0.25, 0.5, 1.0), masks=((None, 0.0), ("kfac", 0.01), ("kfac", 0.03), ("kfac", 0.1)),
+    opsd=("reverse",), replays=("none", "own"), epochs=(6, 16),
+    lambdas=(0.1, 0.3, 1.0, 3.0), masks=((None, 0.0), ("kfac", 0.01), ("kfac", 0.03), ("kfac", 0.1)),
 )
 QUICK = LmDemoSettings(**{**SECOND, "replays": ("own",), "learning_rates": (1e-3,),
                            "masks": ((None, 0.0), ("kfac", 0.03), ("kfac", 0.1))})
