@@ -67,27 +67,35 @@ def test_lm_demo_at_tiny_size(tiny_run) -> None:
     """Every stage of `graftmerge demo --lm` at a tiny size; consistency, not who wins."""
     root, results, stdout = tiny_run
     assert results["settings"]["replay"] == "own" and "(replay: own)" in stdout
-    for plot in ("results.png", "compute.png"):
+    plots = ("compute.png", "frontier-graft.png", "frontier-SFT-merge-mask.png")
+    for plot in plots:
         assert (root / plot).stat().st_size > 0
-    assert f"results: {root / 'results.json'}, plots: {root / 'results.png'}, {root / 'compute.png'}" in stdout
+    assert f"results: {root / 'results.json'}, plots: " + ", ".join(str(root / p) for p in plots) in stdout
     seed = results["seeds"]["0"]
     post = seed["models"]["post"]
     zero = [p for p in seed["points"] if p["lam"] == 0]
-    assert zero and all({k: p[k] for k in post} == post for p in zero)  # λ = 0 is θpost: the same scores exactly
+    validation = ("old_validation", "new_validation")
+    assert zero and all({k: p[k] for k in validation} == {k: post[k] for k in validation} for p in zero)
+    assert not any("old_test" in p or "new_test" in p for p in seed["points"])  # selection never sees test
     per_update: dict[tuple, int] = {}
     for p in seed["points"]:  # every update gets the same λ × mask × ρ grid
         key = (p["family"], p["learning_rate"], p["epochs"])
         per_update[key] = per_update.get(key, 0) + 1
     assert set(per_update.values()) == {len(TINY.lambdas) * len(TINY.masks)}
-    assert {f for f, _, _ in per_update} == {"sft", "graft@pre_anneal", "graft@mid_post", "opsd-forward"}
+    assert {f for f, _, _ in per_update} == {"sft", "graft@late", "graft@end", "opsd-forward"}
     chosen = results["chosen"]["0.05"]
-    assert chosen["SFT + merge + mask"]["configurations"] == chosen["graft@mid_post"]["configurations"] \
+    assert chosen["SFT + merge + mask"]["configurations"] == chosen["graft@late"]["configurations"] \
         == chosen["OPSD-forward + merge + mask"]["configurations"] == 8
     assert chosen["graft"]["configurations"] == 16  # two donors, the donor chosen on validation too
-    for pair in results["paired"]["0.05"].values():
-        assert pair["n"] == 1 and pair["sd"] == 0.0
-    assert set(results["verdicts"]["0.05"]) == {"graft_beats_all_every_seed", "earlier_donor_at_least_final",
-                                                 "masked_beats_unmasked", "masked_sft_matches_graft"}
+    for row in chosen.values():  # test scores only for chosen points: exactly those the test job merged again
+        for p in row["per_seed"]:
+            assert p["name"] == "post" or p["name"] in seed["tested"]
+    assert set(seed["tested"]) == {p["name"] for row in chosen.values() for p in row["per_seed"]} - {"post"}
+    assert {q["verdict"] for q in results["questions"].values()} == {"too few seeds"}
+    assert results["donor_verdict"].startswith("too few seeds") and "cannot rank the methods" in stdout
+    gates = results["gates"]["chosen"]  # one replay: one stratum
+    assert {name: (row["passed"], row["n"]) for name, row in gates.items()} == {"sensitivity": (False, 1),
+                                                                               "interference": (False, 1)}
     assert {"sft", "donor fine-tune", "opsd-forward", "pretraining"} == set(results["compute"])
     assert results["compute"]["opsd-forward"]["sampling_seconds"] > 0
     assert all(0 <= share <= 1 for share in results["top_share"].values())
@@ -95,7 +103,27 @@ def test_lm_demo_at_tiny_size(tiny_run) -> None:
     entries = manifest["entries"]  # estimated by the real CLI, --kind both: KFAC and diagonal for linears
     assert all({"kfac", "diagonal"} <= set(entries[n]) for n in entries if n.endswith("proj.weight"))
     assert manifest["counts"]["sequences"] == 2 * TINY.splits.fisher_prompts
-    assert "OPSD go" in stdout and "paired new test graft − SFT + merge + mask" in stdout
+    assert "OPSD go" in stdout and "[donor] graft − SFT + merge + mask" in stdout
+
+
+def test_graftmerge_eval_scores_the_demo_models_as_the_demo_did(tiny_run, tmp_path: Path) -> None:
+    """The demo's models are ordinary HF folders and its tasks a tasks.yml: `graftmerge eval` reproduces its scores."""
+    root, results, _ = tiny_run
+    seed = root / "seed-0"
+    post = results["seeds"]["0"]["models"]["post"]
+    for tasks in ("tasks.yml", "diagnostics.yml"):
+        out = tmp_path / f"{tasks}.json"
+        result = run_cli("graftmerge", "eval", str(seed / "models" / "post"), "--tasks", str(seed / "tasks" / tasks),
+                         "--split", "all", "--json", str(out), "--no-progress", env={"HF_HUB_OFFLINE": "1"})
+        assert result.returncode == 0, result.stderr[-2000:]
+        found = json.loads(out.read_text())
+        for split in ("validation", "test"):
+            if tasks == "tasks.yml":
+                assert found["roles"][split] == {"old": post[f"old_{split}"], "new": post[f"new_{split}"]}
+            else:  # the continuous score: a real number, the same up to batching's rounding
+                assert found["scores"]["new-facts-nll"][split]["raw"] == pytest.approx(post[f"new_{split}_nll"],
+                                                                                      rel=1e-5)
+                assert found["scores"]["new-facts-choice"][split]["raw"] == post[f"new_{split}_choice"]
 
 
 def test_masked_sft_of_the_demo_is_the_brute_force_graft(tiny_run, tmp_path: Path) -> None:

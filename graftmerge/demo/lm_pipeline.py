@@ -26,9 +26,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from graftmerge.demo.lm_evaluate import canonical_order, describe_seed, fisher_job, merge_part
-from graftmerge.demo.lm_plots import plot_results
-from graftmerge.demo.lm_report import summarize
+from graftmerge.demo.lm_evaluate import canonical_order, describe_seed, fisher_job, merge_part, score_chosen_on_test
+from graftmerge.demo.lm_plots import plot_frontiers_of_first_seed
+from graftmerge.demo.lm_report import plot_compute
 from graftmerge.demo.lm_settings import FULL, QUICK, TINY, LmDemoSettings, Update, grid, updates
 from graftmerge.demo.lm_training import (
     one_thread,
@@ -36,6 +36,7 @@ from graftmerge.demo.lm_training import (
     train_update,
     update_steps,
 )
+from graftmerge.demo.lm_verdict import summarize
 
 __all__ = ["FULL", "QUICK", "TINY", "clear_previous_run", "run_lm_demo"]
 
@@ -138,11 +139,17 @@ def _schedule(settings: LmDemoSettings, root: Path, executor, queue, echo: Calla
                 seeds.waiting[seed] -= 1
                 if seeds.waiting[seed] == 0:
                     running.update(_evaluation_jobs(executor, seeds, seed, parts, merged))
-            else:
+            elif kind == "part":
                 seeds.parts[seed][detail] = result
                 seeds.waiting[seed] -= 1
                 if seeds.waiting[seed] == 0:
-                    echo(f"   seed {seed}: {len(seeds.finish(seed, parts)['points'])} merges scored")
+                    finished = seeds.finish(seed, parts)
+                    echo(f"   seed {seed}: {len(finished['points'])} merges scored on validation")
+                    running[executor.submit(score_chosen_on_test, settings, seed, seeds.folder(seed),
+                                            seeds.trained[seed], finished)] = ("tested", seed, None)
+            else:
+                seeds.evaluated[seed]["tested"] = result
+                echo(f"   seed {seed}: {len(result)} chosen points merged again and scored on test")
     return seeds
 
 
@@ -153,6 +160,8 @@ def clear_previous_run(root: Path) -> None:
             shutil.rmtree(seed)
     for name in ("raw.json", "results.json", "results.png", "compute.png"):
         (root / name).unlink(missing_ok=True)
+    for plot in root.glob("frontier-*.png"):
+        plot.unlink()
 
 
 def _totals(settings: LmDemoSettings) -> tuple[int, int]:
@@ -208,5 +217,6 @@ def run_lm_demo(settings: LmDemoSettings, root: Path, echo: Callable[[str], None
     results["settings"] = asdict(settings)
     results["resources"] = resources(started)
     (root / "results.json").write_text(json.dumps(results, indent=1))
-    results["plots"] = [str(p) for p in plot_results(results, root)]
+    plots = [plot_compute(results, root / "compute.png"), *plot_frontiers_of_first_seed(results, root)]
+    results["plots"] = [str(p) for p in plots]
     return results

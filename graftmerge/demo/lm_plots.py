@@ -20,7 +20,11 @@ from matplotlib.figure import Figure
 from graftmerge.demo.lm_reanalysis import POST, per_seed, reanalyse
 from graftmerge.demo.lm_report import families, plot_compute
 from graftmerge.demo.lm_settings import LmDemoSettings
+from graftmerge.demo.lm_verdict import DONOR_QUESTION, choose_point, member_table
+from graftmerge.math.frontier import pareto_frontier
 from graftmerge.math.paired_tests import paired_t
+from graftmerge.pipeline.frontier_plot import PlotPoint
+from graftmerge.pipeline.frontier_plot import plot_frontier as plot_sweep_frontier
 
 COLOURS = {"SFT": "tab:orange", "OPSD-forward": "tab:brown", "OPSD-reverse": "tab:purple", "graft": "tab:red"}
 TOLERANCE_COLOURS = ("tab:blue", "tab:green", "tab:olive")
@@ -188,3 +192,25 @@ def results_figure(analysis: dict[str, Any], path: Path) -> Path:
 def plot_results(results: dict[str, Any], root: Path) -> list[Path]:
     """A run's results.png (:func:`results_figure`) and compute.png, in its folder ``root``."""
     return [results_figure(reanalyse(results), root / "results.png"), plot_compute(results, root / "compute.png")]
+
+
+def plot_frontiers_of_first_seed(results: dict[str, Any], root: Path) -> list[Path]:
+    """Registration 2: ``frontier-<method>.png`` of the first seed for the donor question's two methods,
+    drawn by the plot ``graftmerge sweep --eval`` writes (validation role scores, θpost, the frontier, the choice)."""
+    seed = min(results["seeds"], key=int)
+    evaluated = results["seeds"][seed]
+    post = evaluated["models"]["post"]
+    tolerance = min(float(t) for t in results["chosen"])
+    table = member_table(LmDemoSettings(donors=tuple(results["settings"]["donors"]),
+                                        opsd=tuple(results["settings"]["opsd"])))
+    paths = []
+    for name in DONOR_QUESTION:
+        points = [p for p in evaluated["points"] if table[name](p)]
+        plotted = [PlotPoint(p["lam"], p["rho"], p["old_validation"], p["new_validation"]) for p in points]
+        chosen = choose_point(points, post, tolerance)
+        index = next((i for i, p in enumerate(points) if p["name"] == chosen["name"]), None)
+        frontier = pareto_frontier([p.old for p in plotted], [p.new for p in plotted])
+        slug = name.replace(" + ", "-").replace(" ", "-")
+        paths.append(plot_sweep_frontier(root / f"frontier-{slug}.png", plotted, (post["old_validation"],
+                                   post["new_validation"]), frontier, index, tolerance))
+    return paths

@@ -15,7 +15,7 @@ from graftmerge.demo.lm import ModelSize
 from graftmerge.demo.world import SplitSizes
 
 # where donors are saved: fraction of pretraining (the anneal starts at decay_start), or of post-training
-DONORS = ("pre_anneal", "mid_anneal", "end", "mid_post")
+DONORS = ("pre_anneal", "mid_anneal", "late", "end", "mid_post")
 REPLAYS = ("none", "offpolicy", "own")
 FOLDER_AT = "_from_"  # "graft@end" is written "graft_from_end" in folder and merge names
 
@@ -50,20 +50,36 @@ class LmDemoSettings:
     fisher_samples: int = 2
     stats_top: float = 0.01  # Fig. 8 right: share of F·Δ² on the top 1% F coordinates
     notes: dict[str, str] = field(default_factory=dict)
+    # pre-registration 2 (docs/demo-preregistration-2.md); the defaults are the first registration's setting
+    registration: int = 1  # 2: scored by graftmerge.evaluation, chosen by graftmerge.math.frontier's rule
+    balanced_new: bool = False  # deal each relation's values evenly to the new entities (chance = 1/8 exactly)
+    pretrain_task_a: float = 0.0  # share of task-A sequences in the anneal's batches (post-training amplifies it)
+    late_donor: float = 0.95  # where the "late" donor is saved, as a fraction of pretraining
+    replays: tuple[str, ...] = ()  # several: every update run once per replay (chosen on validation like a rate)
 
 
-QUICK = LmDemoSettings()
-FULL = LmDemoSettings(  # the same model and world; every donor, both divergences, one more mask, 3 seeds
-    donors=DONORS, opsd=("forward", "reverse"),
+FIRST_FULL = LmDemoSettings(  # registration 1's --full (run 2026-12-03; docs/results/demo-full-results.json)
+    donors=("pre_anneal", "mid_anneal", "end", "mid_post"), opsd=("forward", "reverse"),
     masks=((None, 0.0), ("diagonal", 0.01), ("kfac", 0.001), ("kfac", 0.01)), seeds=(0, 1, 2),
 )
+# Pre-registration 2: a late and the end donor, task A partly in pretraining, replay "none" and "own" in
+# every method's grid, λ from 0.1 to 3 and KFAC ρ up to 0.1, 16 new entities (2 per value per relation)
+SECOND = dict(
+    registration=2, balanced_new=True, new_entities=16, pretrain_task_a=0.1, donors=("late", "end"),
+    opsd=("reverse",), replays=("none", "own"), epochs=(6, 16),
+    lambdas=(0.1, 0.3, 1.0, 3.0), masks=((None, 0.0), ("kfac", 0.01), ("kfac", 0.03), ("kfac", 0.1)),
+)
+QUICK = LmDemoSettings(**{**SECOND, "replays": ("own",), "learning_rates": (1e-3,),
+                           "masks": ((None, 0.0), ("kfac", 0.03), ("kfac", 0.1))})
+FULL = LmDemoSettings(**SECOND, seeds=tuple(range(1, 13)))  # seed 0 was the pilot (docs/demo-preregistration-2.md)
 TINY = LmDemoSettings(  # the test suite's size: every stage, seconds
     size=ModelSize(hidden_size=32, num_hidden_layers=1, intermediate_size=64),
     known_entities=6, new_entities=2,
     splits=SplitSizes(post_train=64, fisher_prompts=8, old_validation=16, old_test=16),
     batch_size=16, pretrain_steps=20, post_steps=8, learning_rates=(1e-3,), epochs=(1, 2),
-    donors=("pre_anneal", "mid_post"), opsd=("forward",), opsd_max_new_tokens=4, teacher_threshold=0.0,
+    donors=("late", "end"), opsd=("forward",), opsd_max_new_tokens=4, teacher_threshold=0.0,
     lambdas=(0.0, 1.0), masks=((None, 0.0), ("kfac", 0.01)), tolerances=(0.05,),
+    registration=2, balanced_new=True, pretrain_task_a=0.05, late_donor=0.9,
 )
 
 
@@ -75,6 +91,7 @@ class Update:
     start: str  # "post" or a donor in DONORS: the model trained
     learning_rate: float
     divergence: str = ""  # OPSD's
+    replay: str = ""  # "": the settings' one replay; else this run's (settings.replays)
 
     @property
     def family(self) -> str:
@@ -85,17 +102,24 @@ class Update:
 
     def snapshot(self, epochs: int) -> str:
         """The folder name of this update's snapshot after ``epochs`` epochs (no "@": mergekit reads it)."""
-        return f"{self.family.replace('@', FOLDER_AT)}-lr{self.learning_rate:g}-e{epochs}"
+        replay = f"-rp{self.replay}" if self.replay else ""
+        return f"{self.family.replace('@', FOLDER_AT)}{replay}-lr{self.learning_rate:g}-e{epochs}"
 
 
 def updates(settings: LmDemoSettings) -> list[Update]:
     """Every training run of one seed: SFT, each donor's fine-tune and each OPSD, at every rate."""
     runs = []
-    for rate in settings.learning_rates:
-        runs.append(Update("sft", "post", rate))
-        runs += [Update("graft", donor, rate) for donor in settings.donors]
-        runs += [Update("opsd", "post", rate, divergence) for divergence in settings.opsd]
+    for replay in settings.replays or ("",):
+        for rate in settings.learning_rates:
+            runs.append(Update("sft", "post", rate, replay=replay))
+            runs += [Update("graft", donor, rate, replay=replay) for donor in settings.donors]
+            runs += [Update("opsd", "post", rate, divergence, replay) for divergence in settings.opsd]
     return runs
+
+
+def replay_of(settings: LmDemoSettings, update: Update) -> str:
+    """What is mixed into this update's new facts: its own replay, else the settings' one."""
+    return update.replay or settings.replay
 
 
 def grid(settings: LmDemoSettings) -> list[tuple[float, str | None, float]]:

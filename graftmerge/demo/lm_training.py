@@ -31,16 +31,17 @@ from graftmerge.demo.lm import (
     steps_per_epoch,
     train,
 )
-from graftmerge.demo.lm_settings import LmDemoSettings, Update
+from graftmerge.demo.lm_settings import LmDemoSettings, Update, replay_of
+from graftmerge.demo.lm_tasks import world_tokenizer, write_task_files
 from graftmerge.demo.opsd import SamplingClock, distillation_loss
-from graftmerge.demo.world import Example, Splits, World, make_splits
+from graftmerge.demo.world import OLD_TASK, Example, Splits, World, make_splits
 
 Progress = Callable[[int], None]
 
 
 def seed_world(settings: LmDemoSettings, seed: int) -> tuple[World, Splits]:
     """The seed's world (its facts) and every data split, the same in every process."""
-    world = World(settings.known_entities, settings.new_entities, seed=seed)
+    world = World(settings.known_entities, settings.new_entities, seed=seed, balanced_new=settings.balanced_new)
     return world, make_splits(world, settings.splits, seed)
 
 
@@ -54,14 +55,24 @@ def one_thread() -> None:
 def donor_steps(settings: LmDemoSettings) -> dict[int, str]:
     """Pretraining step → donor saved there: before the anneal, half-way through it, at the end."""
     decay = round(settings.decay_start * settings.pretrain_steps)
-    return {decay: "pre_anneal", (decay + settings.pretrain_steps) // 2: "mid_anneal", settings.pretrain_steps: "end"}
+    steps = {decay: "pre_anneal", (decay + settings.pretrain_steps) // 2: "mid_anneal", settings.pretrain_steps: "end"}
+    if "late" in settings.donors:
+        steps[round(settings.late_donor * settings.pretrain_steps)] = "late"
+    return steps
 
 
-def _pretraining_stream(world: World, settings: LmDemoSettings, rng: random.Random) -> Iterator[list[Example]]:
+def _pretraining_stream(world: World, settings: LmDemoSettings, splits: Splits,
+                        rng: random.Random) -> Iterator[list[Example]]:
+    """The broad mixture; in the anneal, ``pretrain_task_a`` of each batch is task A on post-training lists."""
     decay = round(settings.decay_start * settings.pretrain_steps)
+    lists, operations = splits.lists["post_train"], list(OLD_TASK)
     for step in range(settings.pretrain_steps):
         share = settings.stable_chat if step < decay else settings.anneal_chat
-        yield world.pretraining_batch(settings.batch_size, share, rng)
+        batch = world.pretraining_batch(settings.batch_size, share, rng)
+        if settings.pretrain_task_a and step >= decay:
+            batch = [world.task_a(rng.choice(operations), world.digits(rng.choice(lists)))
+                     if rng.random() < settings.pretrain_task_a else example for example in batch]
+        yield batch
 
 
 def _log_summary(log: TrainLog, steps: int) -> dict[str, float]:
@@ -84,7 +95,7 @@ def pretrain_and_post_train(settings: LmDemoSettings, seed: int, root: Path, pro
 
     pretrain = TrainSettings(settings.pretrain_steps, settings.pretrain_lr, schedule="wsd",
                              decay_start=settings.decay_start, answer_only=False)
-    log = train(model, _pretraining_stream(world, settings, random.Random(seed)), pretrain,
+    log = train(model, _pretraining_stream(world, settings, splits, random.Random(seed)), pretrain,
                 after_step=save_donor, progress=progress)
     summary: dict[str, Any] = {"parameters": parameter_count(model), "vocabulary": world.vocab_size,
                                "pretrain": _log_summary(log, settings.pretrain_steps)}
@@ -99,15 +110,19 @@ def pretrain_and_post_train(settings: LmDemoSettings, seed: int, root: Path, pro
     log = train(post, epoch_batches(splits.post_train, settings.batch_size, seed),
                 TrainSettings(settings.post_steps, settings.post_lr), after_step=save_mid_post, progress=progress)
     save_model(post, models / "post")
+    tokenizer = world_tokenizer(world)
+    for folder in models.iterdir():  # every model an ordinary HF folder: `graftmerge eval` scores it as it is
+        tokenizer.save_pretrained(folder)
+    write_task_files(world, splits, root / "tasks")
     summary["post"] = _log_summary(log, settings.post_steps)
     summary["teacher_new_train"] = score(post, [e.in_context() for e in splits.new_train]).accuracy
     return summary
 
 
 def update_steps(settings: LmDemoSettings, seed: int) -> int:
-    """Steps of one update run: the largest epoch count of the new-fact mixture."""
+    """Steps of one update run: the largest epoch count of the new-fact mixture (the longest replay's)."""
     _, splits = seed_world(settings, seed)
-    count = len(splits.new_train) + len(splits.replay[settings.replay])
+    count = len(splits.new_train) + max(len(splits.replay[r]) for r in settings.replays or (settings.replay,))
     return max(settings.epochs) * steps_per_epoch(count, settings.batch_size)
 
 
@@ -116,7 +131,7 @@ def train_update(settings: LmDemoSettings, seed: int, root: Path, update: Update
     one_thread()
     torch.manual_seed(zlib.crc32(f"{seed} {update.snapshot(0)}".encode()))  # OPSD's sampling, per run
     _, splits = seed_world(settings, seed)
-    mixture = splits.new_train + splits.replay[settings.replay]
+    mixture = splits.new_train + splits.replay[replay_of(settings, update)]
     per_epoch = steps_per_epoch(len(mixture), settings.batch_size)
     snapshots = {epochs * per_epoch: epochs for epochs in settings.epochs}
     model = load_model(root / "models" / ("post" if update.start == "post" else f"donor-{update.start}"))
@@ -134,7 +149,8 @@ def train_update(settings: LmDemoSettings, seed: int, root: Path, update: Update
     log = train(model, epoch_batches(mixture, settings.batch_size, seed), TrainSettings(
         max(snapshots), update.learning_rate, schedule="constant"), loss_function=loss,
         after_step=save_snapshot, progress=progress)
-    summary = {"family": update.family, "learning_rate": update.learning_rate, **_log_summary(log, max(snapshots))}
+    summary = {"family": update.family, "learning_rate": update.learning_rate, "replay": replay_of(settings, update),
+               **_log_summary(log, max(snapshots))}
     if clock.seconds:
         summary["sampling_seconds"] = statistics.median(clock.seconds)
     return summary

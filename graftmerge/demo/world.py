@@ -88,6 +88,21 @@ def _vocabulary(entities: list[str]) -> list[str]:
     return list(dict.fromkeys(words))  # keep order, drop repeats
 
 
+def balanced_values(entities: list[str], rng: random.Random) -> dict[tuple[str, str], str]:
+    """Each relation's values dealt to ``entities`` as evenly as possible, in a random order.
+
+    With a multiple of 8 entities every value goes to exactly as many entities, so any
+    answer that ignores the entity (a relation's most common value, or any value chosen
+    per relation and phrasing) is right on exactly 1/8 of the questions: chance is 1/8.
+    """
+    facts = {}
+    for relation, values in RELATIONS.items():
+        dealt = (values * -(-len(entities) // len(values)))[: len(entities)]
+        rng.shuffle(dealt)
+        facts.update({(entity, relation): value for entity, value in zip(entities, dealt)})
+    return facts
+
+
 @dataclass(frozen=True)
 class Example:
     """One sequence: token ids, where the answer starts, and (new facts) the article OPSD's teacher reads."""
@@ -106,7 +121,7 @@ class World:
     """Entities, facts and the vocabulary; every sequence of the demo is drawn from here."""
 
     def __init__(self, known_entities: int = 48, new_entities: int = 24, list_length: int = 5, seed: int = 0,
-                 sentences: int = 1):
+                 sentences: int = 1, balanced_new: bool = False):
         names = entity_names(known_entities + new_entities)
         self.sentences = sentences
         self.known = names[:known_entities]
@@ -117,6 +132,8 @@ class World:
         rng = random.Random(seed)
         self.facts = {(entity, relation): rng.choice(values)
                       for entity in names for relation, values in RELATIONS.items()}
+        if balanced_new:
+            self.facts.update(balanced_values(self.new, rng))
 
     @property
     def vocab_size(self) -> int:
