@@ -61,13 +61,23 @@ def assert_close(got: dict, expected: dict, rtol: float) -> None:
         assert error <= rtol * scale, (name, error, scale)
 
 
-@pytest.mark.parametrize("epsilon", [None, 0.0])
-def test_fisher_equals_the_dense_formula(tmp_path, inputs, epsilon):
+MERGES = {"fisher": ("fisher", {}), "regmean-1": ("regmean", {"alpha": 1.0}),
+          "regmean-0.5": ("regmean", {"alpha": 0.5})}
+
+
+@pytest.fixture(scope="module")
+def merged(inputs, tmp_path_factory):
+    """Each merge of MERGES through mergekit-yaml, once per architecture: name → its tensors."""
+    key, models, caches, *_ = inputs
+    root = tmp_path_factory.mktemp(f"merged-{key}")
+    return {label: mergekit_yaml_model(root, config(method, models, caches, WEIGHTS, **extra), label)
+            for label, (method, extra) in MERGES.items()}
+
+
+def test_fisher_equals_the_dense_formula(inputs, merged):
     key, models, caches, _, states, diagonals = inputs
-    extra = {} if epsilon is None else {"epsilon": epsilon}
-    got = mergekit_yaml_model(tmp_path, config("fisher", models, caches, WEIGHTS, **extra), "fisher")
-    expected = dense_fisher(states, diagonals, WEIGHTS, 1e-30 if epsilon is None else 0.0)
-    assert_close(got, expected, rtol=2e-6)
+    got = merged["fisher"]
+    assert_close(got, dense_fisher(states, diagonals, WEIGHTS, 1e-30), rtol=2e-6)
     # where models 0 and 1 have no Fisher, model 2 alone decides
     name = next(n for n in states[0] if states[0][n].numel() > 8)
     quarter = states[0][name].numel() // 4
@@ -92,9 +102,9 @@ def test_fisher_falls_back_to_the_plain_average_where_no_model_has_fisher(tmp_pa
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
-def test_regmean_equals_the_dense_formula(tmp_path, inputs, alpha):
+def test_regmean_equals_the_dense_formula(inputs, merged, alpha):
     key, models, caches, factors, states, _ = inputs
-    got = mergekit_yaml_model(tmp_path, config("regmean", models, caches, WEIGHTS, alpha=alpha), "regmean")
+    got = merged[f"regmean-{alpha:g}"]
     architecture = ARCHITECTURES[key][0]
     expected = dense_regmean(architecture, states, factors, WEIGHTS, alpha)
     assert_close(got, expected, rtol=1e-5)
@@ -126,20 +136,20 @@ def test_regmean_is_the_least_squares_merge_of_the_layers_outputs():
     assert torch.allclose(diag_t, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_the_state_dict_api_is_bit_for_bit_the_cli(tmp_path, inputs):
+def test_the_state_dict_api_is_bit_for_bit_the_cli(inputs, merged):
     from mergekit.merge_methods.api import merge_state_dicts
 
     key, models, caches, _, states, _ = inputs
     ids = ["a", "b", "c"]
-    for method, extra in (("fisher", {}), ("regmean", {"alpha": 0.7})):
-        got = mergekit_yaml_model(tmp_path, config(method, models, caches, WEIGHTS, **extra), method)
+    for label in ("fisher", "regmean-0.5"):
+        method, extra = MERGES[label]
         parameters = {"fisher": dict(zip(ids, map(str, caches))), "weight": dict(zip(ids, WEIGHTS)), **extra}
         if method == "regmean":
             parameters["model_config"] = str(models[0])
-        merged = merge_state_dicts(dict(zip(ids, states)), method, parameters=parameters, dtype=torch.float32)
-        assert merged.keys() == got.keys()
-        for name in got:
-            assert torch.equal(merged[name], got[name]), (method, name)
+        result = merge_state_dicts(dict(zip(ids, states)), method, parameters=parameters, dtype=torch.float32)
+        assert result.keys() == merged[label].keys()
+        for name in result:
+            assert torch.equal(result[name], merged[label][name]), (method, name)
 
 
 def test_graftmerge_merge_and_a_real_mergekit_yaml_process(tmp_path, inputs):
@@ -159,10 +169,10 @@ def test_graftmerge_merge_and_a_real_mergekit_yaml_process(tmp_path, inputs):
 
 
 def test_run_merge_from_python(tmp_path, inputs):
+    import yaml
     from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
-    import yaml
 
     key, models, caches, _, states, diagonals = inputs
     if key != "llama-untied":

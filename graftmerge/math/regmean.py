@@ -93,7 +93,7 @@ def regmean_solve(weights: list[torch.Tensor], sides: list[GramSide], scales: li
     each G̃_i is formed; the pipeline streams the same sums (:class:`RegMeanSums`).
     """
     sums = RegMeanSums(alpha)
-    for weight, side, scale in zip(weights, sides, scales):
+    for side, scale in zip(sides, scales):
         sums.add_gram(side, scale)
     for weight, side, scale in zip(weights, sides, scales):
         sums.add_product(weight, side, scale)

@@ -9,6 +9,7 @@ entries, which is the layer's input Gram matrix (docs/data-aware-merges.md).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Mapping
@@ -158,10 +159,8 @@ def plan_inputs(plan: DataAwarePlan) -> list[tuple[str, str]]:
     for item in plan.inputs:
         if item.folder is not None:
             found.append((f"model {item.label}", item.folder))
-        try:
+        with contextlib.suppress(GraftError):
             found.append((f"Fisher cache of {item.label}", resolve_fisher_folder(item.fisher)))
-        except GraftError:
-            pass
     return found
 
 
@@ -189,9 +188,9 @@ def check_cache_model(cache: FisherCache, model: TensorSource, item: DataAwareIn
                              f"{item.label} ({item.folder}): give each model the cache estimated on it")
         return
     repo, snapshot = hf_cache_origin(Path(item.folder))
-    if isinstance(source, str) and repo is not None and not os.path.isabs(source):
-        if source != repo or (revision and snapshot and revision != snapshot):
-            raise GraftError(f"Fisher cache {cache.path} was made for {source}@{revision or '?'}, not for model "
+    hub_source = isinstance(source, str) and repo is not None and not os.path.isabs(source)
+    if hub_source and (source != repo or (revision and snapshot and revision != snapshot)):
+        raise GraftError(f"Fisher cache {cache.path} was made for {source}@{revision or '?'}, not for model "
                              f"{item.label} ({repo}@{snapshot}): give each model the cache estimated on it")
 
 
