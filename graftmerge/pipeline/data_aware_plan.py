@@ -205,7 +205,10 @@ def regmean_layers(plan: DataAwarePlan, tensors: Mapping[str, object]) -> dict[s
     if folder is None:
         raise GraftError("regmean on in-memory models needs the shared parameter model_config: a folder with the "
                          "models' config.json (it says which weights are Linear or Conv1D layers)")
-    layers = model_layers(folder, f"model_config {folder}" if plan.model_config else f"model {folder}")
+    try:
+        layers = model_layers(folder, f"model_config {folder}" if plan.model_config else f"model {folder}")
+    except GraftError as error:  # its words are delta extract's; the same cause, this method's name
+        raise GraftError(str(error).replace("--rank needs", "regmean needs")) from error
     found = {}
     for name in tensors:
         module = layers.module_of(name)
