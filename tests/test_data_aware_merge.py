@@ -187,3 +187,29 @@ def test_stock_mergekit_knows_both_methods():
             "print(merge_methods.get('fisher').spec.pretty_name, '|', merge_methods.get('regmean').spec.pretty_name)")
     result = run_process("python", "-c", code)
     assert result.returncode == 0 and result.stdout.strip() == "Fisher merging | RegMean", result.stderr
+
+
+def test_regmean_with_caches_from_the_real_estimator(tmp_path):
+    """Caches from ``graftmerge fisher estimate --kind both`` on different data per model: the merge uses
+    G_i = X_iᵀX_i / T_i, the token mean of each Linear layer's inputs on model i's own rollouts (taken here
+    from the activations, in float64), for q/k/v/o, the MLP and the untied lm_head; the embedding is averaged."""
+    from tests.helpers.estimation import brute_force_kfac, load, make_model, random_rollouts, write_jsonl
+
+    models, caches, grams = [], [], []
+    for index in range(2):
+        model = make_model(tmp_path / f"m{index}", tied=False, seed=20 + index)
+        rollouts = random_rollouts(5 + 3 * index, seed=index, vocab=128)
+        data = write_jsonl(tmp_path / f"r{index}.jsonl", rollouts)
+        result = cli("fisher", "estimate", model, "-o", tmp_path / f"f{index}", "--kind", "both", "--rollouts", data,
+                     "--dtype", "float64", "--accumulator-dtype", "float64", "--no-progress")
+        assert result.exit_code == 0, result.output
+        reference = brute_force_kfac(load(model), rollouts)
+        grams.append({f"{name}.weight": (None, entry["Q"]) for name, entry in reference.items()})
+        models.append(model)
+        caches.append(tmp_path / f"f{index}")
+    states = [read_model(m) for m in models]
+    got = mergekit_yaml_model(tmp_path, config("regmean", models, caches, [1.0, 1.0], alpha=1.0), "merged")
+    linear = {n for n in grams[0] if "embed" not in n}
+    assert "lm_head.weight" in linear and any("q_proj" in n for n in linear)
+    expected = dense_regmean("qwen3", states, [{n: g[n] for n in linear} for g in grams], [1.0, 1.0], 1.0)
+    assert_close(got, expected, rtol=1e-4)
