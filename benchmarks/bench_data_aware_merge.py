@@ -19,11 +19,13 @@ import argparse
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import BIN, median, qwen3_config, timed_run, write_checkpoint
+from common import _PEAK_RSS_PROBE, BIN, median, qwen3_config, write_checkpoint
 
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import FisherCacheWriter
@@ -99,16 +101,32 @@ def float64_rate(size: int = 2048, repeats: int = 5) -> float:
     return repeats * 2 * size**3 / (time.perf_counter() - start)
 
 
-def regmean_solve_report(workdir: Path) -> tuple[float, float]:
-    """(solve seconds, FLOP) of one regmean merge, from the summary line the merge prints."""
+def timed_merge(workdir: Path, method: str) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS MB, stderr) of one fresh `mergekit-yaml` process merging with ``method``.
+
+    The peak RSS is the merge process's own, measured as ``common.timed_run`` measures it.
+    """
     config_file = workdir / "bench.yml"
-    config_file.write_text(config_text(workdir.resolve(), "regmean"))
+    config_file.write_text(config_text(workdir.resolve(), method))
     out = workdir / "out"
     shutil.rmtree(out, ignore_errors=True)
-    result = subprocess.run([str(BIN / "mergekit-yaml"), str(config_file), str(out), "--out-shard-size", "500M"],
-                            capture_output=True, text=True, check=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        peak_file = Path(scratch) / "peak_kb"
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "-c", _PEAK_RSS_PROBE, str(peak_file), str(BIN / "mergekit-yaml"),
+                                 str(config_file), str(out), "--out-shard-size", "500M"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        wall = time.perf_counter() - start
+        if result.returncode != 0:
+            raise RuntimeError(f"{method} failed:\n{result.stderr[-2000:]}")
+        rss = int(peak_file.read_text()) / 1024
     shutil.rmtree(out, ignore_errors=True)
-    found = re.search(r"regmean: \d+ linear weights solved .*?; ([\d.]+) s, ([\d.]+) GFLOP", result.stderr)
+    return wall, rss, result.stderr
+
+
+def solve_report(stderr: str) -> tuple[float, float]:
+    """(solve seconds, FLOP) from the summary line a regmean merge prints."""
+    found = re.search(r"regmean: \d+ linear weights solved .*?; ([\d.]+) s, ([\d.]+) GFLOP", stderr)
     return float(found.group(1)), float(found.group(2)) * 1e9
 
 
@@ -125,19 +143,18 @@ def main() -> None:
     params = sum(info.numel for info in Checkpoint(args.workdir / MODELS[0]).tensors.values())
     print(f"3 models of {params / 1e9:.3f}B parameters (bf16, tied); torch threads {torch.get_num_threads()}")
     results: dict[str, dict[str, list[float]]] = {m: {"wall": [], "rss": []} for m in ("linear", "fisher", "regmean")}
+    solves, rates = [], [float64_rate()]
     for repeat in range(args.repeats):
         for method in results:
-            (args.workdir / "bench.yml").write_text(config_text(args.workdir.resolve(), method))
-            shutil.rmtree(args.workdir / "out", ignore_errors=True)
-            wall, rss = timed_run([str(BIN / "mergekit-yaml"), str(args.workdir / "bench.yml"),
-                                   str(args.workdir / "out"), "--out-shard-size", "500M"])
-            shutil.rmtree(args.workdir / "out", ignore_errors=True)
+            wall, rss, stderr = timed_merge(args.workdir, method)
             results[method]["wall"].append(wall)
             results[method]["rss"].append(rss)
+            if method == "regmean":
+                solves.append(solve_report(stderr))
             print(f"  run {repeat + 1} {method:8s} {wall:7.1f} s  {rss:8.0f} MB", flush=True)
-    rate_before = float64_rate()
-    seconds, flops = regmean_solve_report(args.workdir)
-    rate = (rate_before + float64_rate()) / 2
+        rates.append(float64_rate())
+    seconds, flops = median([s for s, _ in solves]), median([f for _, f in solves])
+    rate = median(rates)
     linear_wall, linear_rss = median(results["linear"]["wall"]), median(results["linear"]["rss"])
     print(f"\nmedians of {args.repeats}")
     print(f"{'method':10s} {'wall s':>8s} {'÷ linear':>9s} {'peak RSS MB':>12s} {'÷ linear':>9s}")
@@ -145,7 +162,8 @@ def main() -> None:
         wall, rss = median(r["wall"]), median(r["rss"])
         print(f"{method:10s} {wall:8.1f} {wall / linear_wall:9.2f} {rss:12.0f} {rss / linear_rss:9.2f}")
     print(f"\nregmean solves: {seconds:.1f} s for {flops / 1e12:.2f} TFLOP; float64 matmul rate {rate / 1e9:.1f} "
-          f"GFLOP/s, so the FLOP count alone takes {flops / rate:.1f} s ({seconds / (flops / rate):.2f}× that)")
+          f"GFLOP/s (median of {len(rates)} measures around the merges), so the FLOP count alone takes "
+          f"{flops / rate:.1f} s ({seconds / (flops / rate):.2f}× that)")
 
 
 if __name__ == "__main__":

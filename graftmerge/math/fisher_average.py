@@ -26,14 +26,21 @@ class FisherAverage:
         self.weight_sum = 0.0
 
     def add(self, tensor: torch.Tensor, fisher: torch.Tensor, weight: float) -> None:
-        """One input: its tensor, its diagonal Fisher (same shape, ≥ 0) and its weight (≥ 0)."""
+        """One input: its tensor, its diagonal Fisher (same shape, ≥ 0) and its weight (≥ 0).
+
+        ``fisher`` is consumed: floored and scaled in place when it is already in the sums' dtype
+        (a Fisher read from a cache is the caller's own copy; this saves two passes over it).
+        """
         tensor = tensor.to(self.dtype)
-        floored = fisher.to(self.dtype).clamp_min(self.epsilon).mul_(weight)
+        floored = fisher.to(self.dtype)
+        if self.epsilon > 0:
+            floored.clamp_min_(self.epsilon)
         if self.numerator is None:
-            self.numerator, self.denominator = floored * tensor, floored
+            self.numerator = torch.mul(floored, tensor).mul_(weight)
+            self.denominator = floored.mul_(weight)
         else:
-            self.numerator.addcmul_(floored, tensor)
-            self.denominator.add_(floored)
+            self.numerator.addcmul_(floored, tensor, value=weight)
+            self.denominator.add_(floored, alpha=weight)
         if self.epsilon == 0:
             self.plain = tensor * weight if self.plain is None else self.plain.add_(tensor, alpha=weight)
         self.weight_sum += weight
