@@ -142,3 +142,17 @@ def test_state_dicts_without_what_regmean_needs(setup):
     swapped = {"a": read_model(root / "other"), "b": states["b"]}
     with pytest.raises((GraftError, ValueError)):
         merge_state_dicts(swapped, "fisher", parameters={"fisher": fisher})
+
+
+def test_state_dicts_without_any_cache_are_the_plain_average_with_a_warning(setup):
+    """mergekit's contract: a registered method merges state dicts given only its defaults (its own suite
+    checks every method so); with no data at all, every tensor is one without a Fisher entry."""
+    from mergekit.merge_methods.api import merge_state_dicts
+
+    root, models, _ = setup
+    states = [read_model(models[0]), read_model(models[1])]
+    for method in ("fisher", "regmean"):
+        with pytest.warns(UserWarning, match="no input has a Fisher cache"):
+            merged = merge_state_dicts(states, method, parameters={"weight": [1.0, 3.0]})
+        for name, tensor in merged.items():
+            assert torch.allclose(tensor, (states[0][name] + 3 * states[1][name]) / 4, rtol=1e-6, atol=1e-7)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -210,14 +211,22 @@ def open_file_run(plan: DataAwarePlan, out_dtype: torch.dtype | None, allow_crim
 def in_memory_run(method: str, ids: list[Hashable], tensors: Mapping[str, list[torch.Tensor]],
                   dtypes: Mapping[str, torch.dtype], parameters: Mapping) -> DataAwareRun:
     """The run of ``merge_state_dicts`` inputs: ``tensors`` name → one tensor per input (in ``ids`` order);
-    ``parameters`` as mergekit bound them (``fisher`` and ``weight`` per input id)."""
+    ``parameters`` as mergekit bound them (``fisher`` and ``weight`` per input id). With no cache for any
+    input, every tensor is the plain weighted average (with a warning): mergekit's contract is that a
+    registered method merges state dicts given only its defaults; a cache for some inputs only is refused."""
     fisher, weight = parameters.get("fisher") or {}, parameters.get("weight") or {}
     missing = [key for key in ids if not fisher.get(key)]
+    shared = {k: v for k, v in parameters.items() if k not in ("fisher", "weight") and v is not None}
+    if len(missing) == len(ids):  # no data at all: every tensor is one "without a Fisher entry"
+        warnings.warn(f"{method}: no input has a Fisher cache, so every tensor is the plain weighted average "
+                      "(pass parameters={'fisher': {id: <cache folder>, ...}} for a data-aware merge)", stacklevel=2)
+        inputs = [DataAwareInput(repr(key), None, "", float(weight.get(key, 1.0))) for key in ids]
+        plan = build_plan(method, inputs, shared)
+        return DataAwareRun(plan, [], {}, {key: position for position, key in enumerate(ids)})
     if missing:
         raise GraftError(f"{method}: input(s) {', '.join(map(repr, missing))} have no Fisher cache: pass "
                          "parameters={'fisher': {id: <cache folder>, ...}} with one cache per input")
     inputs = [DataAwareInput(repr(key), None, str(fisher[key]), float(weight.get(key, 1.0))) for key in ids]
-    shared = {k: v for k, v in parameters.items() if k not in ("fisher", "weight") and v is not None}
     plan = build_plan(method, inputs, shared)
     models = [InMemoryCheckpoint({name: group[position] for name, group in tensors.items()}, dict(dtypes),
                                  f"input {key!r}") for position, key in enumerate(ids)]
