@@ -15,8 +15,8 @@ missing_helper=(test_basic_merges test_chat_template test_embedding_truncation t
                 test_tokenizer test_vocabulary_axis)
 ignores=()
 for module in "${missing_helper[@]}"; do ignores+=(--ignore "tests/$module.py"); done
-# Prove graft is registered in this interpreter, or the suite would not cover it.
-$py -c "from mergekit import merge_methods; merge_methods.get('graft')"
+# Prove graft, fisher and regmean are registered in this interpreter, or the suite would not cover them.
+$py -c "from mergekit import merge_methods; [merge_methods.get(m) for m in ('graft', 'fisher', 'regmean')]"
 cd "$work/mergekit-$version"
 # The installed mergekit is tested (not the sdist's copy): run from a folder without it on sys.path.
 rm -rf mergekit

@@ -261,6 +261,8 @@ def test_graft_plan_is_built_in_one_place():
 PER_PROCESS = {
     "adapter/merge_method.py:_ACTIVE_RUNS": "mergekit's per-tensor tasks carry only an id: a merge's run is "
                                              "findable by it while mergekit's run_merge runs, and removed after",
+    "adapter/data_aware_methods.py:_ACTIVE_RUNS": "the same for fisher and regmean merges: a run findable by its "
+                                                   "id while its mergekit call runs, and removed after",
     "formats/output_folder.py:_ARRIVALS": "test hook: arrivals of this process at a stage, as the process's "
                                           "$GRAFTMERGE_TEST_STOP_AT counts them",
     "formats/user_cache.py:_warned": "each cache warning once per process",

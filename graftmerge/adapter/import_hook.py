@@ -4,7 +4,7 @@ mergekit has no plugin entry point, only ``mergekit.merge_methods.register()``.
 ``graftmerge_hook.pth`` (installed into site-packages) calls :func:`install`
 at interpreter start-up; it only appends a finder to ``sys.meta_path``. When
 mergekit's registry module is first imported, the finder runs the real module
-and then registers ``graft``; when ``mergekit.merge`` is imported, it wraps
+and then registers ``graft`` (and ``fisher``, ``regmean``); when ``mergekit.merge`` is imported, it wraps
 ``run_merge`` so graft configs are validated before mergekit loads a tensor; when
 ``mergekit-yaml``'s or ``mergekit-multi``'s command module is imported, it hands the
 command to :mod:`graftmerge.cli.mergekit_scripts` (one ``error:`` line per refusal).
@@ -22,11 +22,13 @@ import sys
 # importlib.resources, pathlib and tempfile (~35 ms) at every interpreter start.
 
 _AFTER_IMPORT = {
-    "mergekit.merge_methods.registry": ("graftmerge.adapter.merge_method", "register_graft"),
-    "mergekit.merge": ("graftmerge.adapter.merge_method", "wrap_run_merge"),
+    "mergekit.merge_methods.registry": (("graftmerge.adapter.merge_method", "register_graft"),
+                                        ("graftmerge.adapter.data_aware_methods", "register_data_aware")),
+    "mergekit.merge": (("graftmerge.adapter.merge_method", "wrap_run_merge"),
+                       ("graftmerge.adapter.data_aware_methods", "wrap_run_merge")),
     # mergekit's click commands: their errors are the command line's business (graftmerge.cli)
-    "mergekit.scripts.run_yaml": ("graftmerge.cli.mergekit_scripts", "wrap_config_script"),
-    "mergekit.scripts.multimerge": ("graftmerge.cli.mergekit_scripts", "wrap_config_script"),
+    "mergekit.scripts.run_yaml": (("graftmerge.cli.mergekit_scripts", "wrap_config_script"),),
+    "mergekit.scripts.multimerge": (("graftmerge.cli.mergekit_scripts", "wrap_config_script"),),
 }
 
 
@@ -77,12 +79,12 @@ def install() -> None:
 
 
 def _call_after_import(name: str, module) -> None:
-    target_module, function = _AFTER_IMPORT[name]
-    # lazy: this module is imported at every interpreter start (graftmerge_hook.pth), so
-    # the adapter (torch, mergekit, the pipeline) is imported only once mergekit itself is.
-    __import__(target_module)
-    # When graftmerge.adapter.merge_method itself triggered this import it is still
-    # half-initialised; it registers itself once its own import finishes.
-    callback = getattr(sys.modules[target_module], function, None)
-    if callback is not None:
-        callback(module)
+    for target_module, function in _AFTER_IMPORT[name]:
+        # lazy: this module is imported at every interpreter start (graftmerge_hook.pth), so
+        # the adapter (torch, mergekit, the pipeline) is imported only once mergekit itself is.
+        __import__(target_module)
+        # When an adapter module itself triggered this import it is still half-initialised;
+        # it registers itself once its own import finishes.
+        callback = getattr(sys.modules[target_module], function, None)
+        if callback is not None:
+            callback(module)
