@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,6 +120,18 @@ class WarmStarter:
             "stdout": str(stdout or stderr or discard), "stderr": str(stderr or stdout or discard),
         })
         return WarmProcess(self, reply["pid"])
+
+    def run(self, *args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+        """``mergekit-yaml ARGS`` forked and waited for, like :func:`tests.helpers.runners.run_process`."""
+        with tempfile.TemporaryDirectory(prefix="warm-run-") as folder:
+            out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+            process = self.start(*args, env=None if env is None else {**os.environ, **env}, stdout=out, stderr=err)
+            try:
+                process.wait(timeout)
+            finally:
+                process.kill()
+            return subprocess.CompletedProcess(["mergekit-yaml", *args], process.returncode, out.read_text(),
+                                               err.read_text())
 
     def close(self) -> None:
         """Ends the parent (killed: it holds nothing to save, and its interpreter's shutdown is slow)."""
