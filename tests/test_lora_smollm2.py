@@ -25,7 +25,7 @@ from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
 from graftmerge.testing.smollm2 import smollm2_gguf
 from tests.helpers.configs import graft_config
 from tests.helpers.models import read_model
-from tests.helpers.runners import mergekit_yaml_model, run_cli
+from tests.helpers.runners import mergekit_yaml_model
 
 GGUF = smollm2_gguf()
 pytestmark = [
@@ -41,12 +41,12 @@ RHO = 0.01
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory) -> dict:
-    """SmolLM2 imported from its GGUF; a PEFT adapter of it; PEFT's Δ and merge_and_unload() weights."""
+def smol(tmp_path_factory, smollm2_import) -> dict:
+    """SmolLM2 imported from its GGUF (once per session, read-only); a PEFT adapter of it; PEFT's Δ and
+    merge_and_unload() weights."""
     root = tmp_path_factory.mktemp("lora-smollm2")
-    imported = run_cli("graftmerge", "import-gguf", str(GGUF), "-o", str(root / "post"))
-    assert imported.returncode == 0, imported.stderr[-3000:]
-    model = AutoModelForCausalLM.from_pretrained(root / "post", dtype=torch.float32)
+    post = smollm2_import["post"]
+    model = AutoModelForCausalLM.from_pretrained(post, dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -57,7 +57,7 @@ def smol(tmp_path_factory) -> dict:
     deltas = {name.removeprefix("base_model.model.") + ".weight": module.get_delta_weight("default").detach()
               for name, module in peft_model.named_modules() if isinstance(module, LoraLayer)}
     merged = {name: tensor.clone() for name, tensor in peft_model.merge_and_unload().state_dict().items()}
-    return {"root": root, "post": root / "post", "lora": root / "lora", "deltas": deltas, "merged": merged}
+    return {"root": root, "post": post, "lora": root / "lora", "deltas": deltas, "merged": merged}
 
 
 def test_adapter_as_role_delta_is_peft_merge_and_unload_bit_for_bit(tmp_path, smol):

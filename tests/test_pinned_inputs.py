@@ -22,7 +22,8 @@ from graftmerge.formats.output_folder import STOP_ENV
 from graftmerge.pipeline import graft, sweep
 from tests.helpers.configs import graft_yaml
 from tests.helpers.models import copy_model, tree_digest
-from tests.helpers.runners import BIN, error_line, run_cli
+from tests.helpers.runners import error_line, run_cli
+from tests.helpers.warm_processes import WarmProcess, WarmStarter
 
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 
@@ -72,14 +73,11 @@ def fisher_shard(folder: Path) -> Path:
     return sorted(folder.glob("*.safetensors"))[0]
 
 
-def start_stopped(config: Path, out: Path, stop_at: str, log: Path) -> subprocess.Popen:
-    """The stock mergekit-yaml as a real process, stopped (SIGSTOP, by itself) at ``stop_at``."""
-    env = {**os.environ, STOP_ENV: stop_at}
-    with open(log, "w") as handle:
-        process = subprocess.Popen([str(BIN / "mergekit-yaml"), str(config), str(out)], stdout=subprocess.DEVNULL,
-                                   stderr=handle, env=env)
-    _, status = os.waitpid(process.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status), log.read_text()[-3000:]
+def start_stopped(warm: WarmStarter, config: Path, out: Path, stop_at: str, log: Path) -> WarmProcess:
+    """The stock mergekit-yaml as a real process (forked warm, past its imports:
+    tests/helpers/warm_processes.py), stopped (SIGSTOP, by itself) at ``stop_at``."""
+    process = warm.start(config, out, env={**os.environ, STOP_ENV: stop_at}, stderr=log, stdout=Path(os.devnull))
+    assert process.wait_stopped(), log.read_text()[-3000:]
     return process
 
 
@@ -88,8 +86,8 @@ def start_stopped(config: Path, out: Path, stop_at: str, log: Path) -> subproces
     ("merging:1", "by rename", "fisher", False),  # between the pass and the merge
     ("merging:5", "in place", "ft", True),  # during the merge: seen before OUT (here an old one) is published
 ])
-def test_a_file_changed_between_the_pass_and_the_merge_fails_in_one_line(inputs, tmp_path, stop_at, change, which,
-                                                                          had_out):
+def test_a_file_changed_between_the_pass_and_the_merge_fails_in_one_line(inputs, warm_mergekit_yaml, tmp_path, stop_at,
+                                                                          change, which, had_out):
     out = tmp_path / "models" / "out"
     out.parent.mkdir()
     if had_out:
@@ -97,7 +95,7 @@ def test_a_file_changed_between_the_pass_and_the_merge_fails_in_one_line(inputs,
     before = tree_digest(out) if had_out else None
     shard = ft_shard(inputs["ft"]) if which == "ft" else fisher_shard(inputs["fisher"])
     log = tmp_path / "merge.log"
-    process = start_stopped(inputs["config"], out, stop_at, log)
+    process = start_stopped(warm_mergekit_yaml, inputs["config"], out, stop_at, log)
     try:
         CHANGES[change](shard)
     finally:

@@ -54,12 +54,6 @@ def invoke(*args) -> None:
     assert result.exit_code == 0, (result.output, result.exception)
 
 
-@pytest.fixture(scope="session")
-def gguf_digest() -> str:
-    """The GGUF's hash before anything here touched it."""
-    return sha256(GGUF)
-
-
 def tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -79,16 +73,15 @@ def direct_gguf_reference() -> dict:
 
 
 @pytest.fixture(scope="session")
-def smol(tmp_path_factory, gguf_digest) -> dict:
-    """`graftmerge import-gguf` (in this process), and transformers' own load of the GGUF."""
+def smol(tmp_path_factory, smollm2_import) -> dict:
+    """`graftmerge import-gguf` (the session's shared import, tests/helpers/smollm2.py), and
+    transformers' own load of the GGUF."""
     root = tmp_path_factory.mktemp("smollm2")
-    importing = run_cli("graftmerge", "import-gguf", str(GGUF), "-o", str(root / "post"))
-    assert importing.returncode == 0, importing.stderr[-3000:]
-    assert importing.stdout.startswith(f"wrote {root / 'post'}"), importing.stdout
     reference = direct_gguf_reference()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    return {"root": root, "post": root / "post", "prompts": prompts, "reference": reference}
+    return {"root": root, "post": smollm2_import["post"], "import": smollm2_import, "prompts": prompts,
+            "reference": reference}
 
 
 @pytest.fixture(scope="session")
@@ -112,9 +105,10 @@ def donors(smol) -> dict[str, Path]:
 # --- import-gguf ---------------------------------------------------------------------------
 
 
-def test_import_writes_a_plain_folder_that_matches_the_gguf(smol, gguf_digest):
-    post, reference = smol["post"], smol["reference"]
-    assert sha256(GGUF) == gguf_digest
+def test_import_writes_a_plain_folder_that_matches_the_gguf(smol, tmp_path):
+    post, reference, importing = smol["post"], smol["reference"], smol["import"]
+    assert importing["stdout"].startswith(f"wrote {post}"), importing["stdout"]
+    assert sha256(GGUF) == importing["gguf_sha256_before"] == importing["gguf_sha256_after"]  # input untouched
     assert not [p for p in post.parent.iterdir() if p.name.startswith(".")]  # no staging left
     config = json.loads((post / "config.json").read_text())
     assert "quantization_config" not in config and config["tie_word_embeddings"] is True
@@ -131,13 +125,13 @@ def test_import_writes_a_plain_folder_that_matches_the_gguf(smol, gguf_digest):
         f"ids = tok.apply_chat_template({CHAT!r}, add_generation_prompt=True, return_dict=True, "
         "return_tensors='pt')['input_ids']\n"
         "logits = model(input_ids=ids).logits[0]\n"
-        f"torch.save({{'ids': ids[0], 'logits': logits.detach()}}, {str(post.parent / 'folder-logits.pt')!r})\n"
+        f"torch.save({{'ids': ids[0], 'logits': logits.detach()}}, {str(tmp_path / 'folder-logits.pt')!r})\n"
         "print(json.dumps(bool(tok.chat_template)))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) is True  # the chat template came along
-    folder = torch.load(post.parent / "folder-logits.pt")
+    folder = torch.load(tmp_path / "folder-logits.pt")
     assert torch.equal(folder["ids"], reference["ids"])
     # The weights are compared bit for bit above. The logits come from two processes whose
     # float32 reductions may be split differently (OpenMP may give a loaded machine fewer

@@ -27,7 +27,6 @@ import torch
 
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import FisherCacheWriter
-from graftmerge.formats.gguf_import import import_gguf
 from graftmerge.testing.smollm2 import smollm2_gguf, train_fact_adapter, write_fact_tasks
 from tests.helpers.runners import error_line, run_cli
 
@@ -65,19 +64,19 @@ def sweep_arguments(smol: dict, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory) -> dict:
-    """SmolLM2 (imported from its GGUF), a fact adapter, a Fisher cache, the tasks and one finished sweep."""
+def smol(tmp_path_factory, smollm2_import) -> dict:
+    """SmolLM2 (the session's shared import), a fact adapter, a Fisher cache, the tasks and one finished sweep."""
     root = tmp_path_factory.mktemp("sweep-eval-smollm2")
-    import_gguf(GGUF, root / "post")
-    adapter = train_fact_adapter(root / "post", root / "lora", layers=ADAPTED, steps=4, lr=5e-3, progress=False)
+    post_folder = smollm2_import["post"]  # read-only
+    adapter = train_fact_adapter(post_folder, root / "lora", layers=ADAPTED, steps=4, lr=5e-3, progress=False)
     assert adapter.losses[-1] < adapter.losses[0] / 2  # it learned the facts
-    post = Checkpoint(root / "post")
+    post = Checkpoint(post_folder)
     generator = torch.Generator().manual_seed(1)
-    with FisherCacheWriter(root / "fisher", model=root / "post", overwrite=True) as writer:
+    with FisherCacheWriter(root / "fisher", model=post_folder, overwrite=True) as writer:
         for name in RANKED:
             writer.add_diagonal(name, torch.rand(post.tensors[name].shape, generator=generator) ** 4)
     config = root / "graft.yml"
-    config.write_text(f"merge_method: graft\nbase_model: {root / 'post'}\nmodels:\n  - model: {root / 'lora'}\n"
+    config.write_text(f"merge_method: graft\nbase_model: {post_folder}\nmodels:\n  - model: {root / 'lora'}\n"
                       f"    parameters: {{role: delta}}\nparameters:\n  lambda: 1.0\n  rho: 0.0\n"
                       f"  fisher: {root / 'fisher'}\ndtype: float32\nout_dtype: bfloat16\n")
     smol = {"root": root, "config": config, "tasks": write_fact_tasks(root / "tasks", contradicting_test=True,

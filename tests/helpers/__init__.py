@@ -8,4 +8,7 @@ references     brute-force graft and top-k mask
 estimation     tiny models, rollouts, a tokenizer, brute-force Fisher estimates
 fake_hub       a fake Hugging Face Hub and HF cache
 lora           PEFT adapters and PEFT's own deltas
+smollm2        SmolLM2 imported from its GGUF once per session, shared by the xdist workers
+warm_processes real mergekit-yaml processes forked from a warm parent (no start-up per process)
+ggufs          a tiny complete llama GGUF
 """
