@@ -80,8 +80,9 @@ def one_process(model: Path, data: Path, output: Path, kind: str) -> Path:
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """The one-process estimates here run on one thread, as each rank does (OMP_NUM_THREADS=1): on tiny models
-    more threads only wait on each other, and on a busy machine that took 40 times as long."""
+    """The one-process estimates here run on one thread, as each rank does (OMP_NUM_THREADS=1) and as an xdist
+    worker of the suite does: on tiny models more threads only wait on each other (in a ``-n 0`` run on a busy
+    machine the fixture's estimates took about 40 times as long)."""
     import torch
 
     threads = torch.get_num_threads()
