@@ -78,6 +78,19 @@ def one_process(model: Path, data: Path, output: Path, kind: str) -> Path:
                                             accumulator_dtype="float64", progress=False))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The one-process estimates here run on one thread, as each rank does (OMP_NUM_THREADS=1) and as an xdist
+    worker of the suite does: on tiny models more threads only wait on each other (in a ``-n 0`` run on a busy
+    machine the fixture's estimates took about 40 times as long)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
@@ -101,13 +114,69 @@ JOBS = {
 CASES = [(world, model, kind) for world, jobs in JOBS.items() for model, kind in jobs]
 
 
+def _stop_both(processes: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not all(_stopped(p.pid) for p in processes):
+        assert all(p.poll() is None for p in processes), [p.stderr.read() for p in processes]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
-def caches(inputs):
-    """{(world, model, kind): (one-process cache, torchrun cache)}: one torchrun launch per world size."""
+def killed(tmp_path_factory):
+    """Both ranks of a real two-process run stop themselves after step 2 (checkpointed); rank 1 is killed, rank 0
+    let go. The rerun of the same command (3 ranks, then 2) happens in the launches of ``caches``."""
+    root = tmp_path_factory.mktemp("killed")
+    model = make_model(root / "model", tied=False)
+    data = write_jsonl(root / "long.jsonl", random_rollouts(10, seed=9))  # 5 batches: 3 steps on 2 ranks
+    output = root / "fisher" / "killed"
+    args = [str(model), "-o", str(output), "--kind", "both", "--rollouts", str(data), "--batch-size", "2",
+            "--accumulator-dtype", "float64", "--checkpoint-every", "1", "--fsdp", "--no-progress",
+            "--collective-timeout", "60"]
+    processes = launch_ranks(2, lambda rank: args, {"GRAFTMERGE_TEST_STOP_AT": "fisher-step:2"})
+    _stop_both(processes)
+    processes[1].send_signal(signal.SIGKILL)
+    processes[0].send_signal(signal.SIGCONT)
+    survivor = finished(processes[:1])[0]
+    processes[1].wait()
+    left = sorted(p.name for p in checkpoint_folder(output).iterdir()) if checkpoint_folder(output).exists() else []
+    return {"root": root, "model": model, "data": data, "output": output, "args": args, "survivor": survivor,
+            "cache_after_kill": output.exists(), "checkpoints_after_kill": left}
+
+
+def _cli_job(root: Path, name: str, args) -> dict:
+    """A worker job: ``graftmerge fisher estimate ARGS`` in every rank (ARGS: one list, or a list per rank)."""
+    return {"cli": args, "result": str(root / f"result-{name}")}
+
+
+def _cli_results(root: Path, name: str, world: int) -> list[subprocess.CompletedProcess]:
+    found = [json.loads(Path(f"{root / f'result-{name}'}.rank{rank}.json").read_text()) for rank in range(world)]
+    return [subprocess.CompletedProcess(name, r["returncode"], r["stdout"], r["stderr"]) for r in found]
+
+
+def _refusal_jobs(root: Path, models: dict[str, Path], data: Path, killed: dict) -> dict[int, list[dict]]:
+    """Refusals that need every rank but no launch of their own, first in each launch (in this order: the
+    killed run is refused by 3 ranks before 2 ranks resume it)."""
+    (root / "exists").mkdir()
+    common = [str(models["qwen3-tied"]), "--rollouts", str(data), "--fsdp", "--no-progress"]
+    return {
+        3: [_cli_job(root, "three-ranks", killed["args"])],
+        2: [_cli_job(root, "bad-input", [*common, "-o", str(root / "exists")]),
+            _cli_job(root, "disagree", [[*common, "-o", str(root / "disagree"), "--batch-size", str(2 + rank)]
+                                        for rank in range(2)]),
+            _cli_job(root, "resumed", killed["args"])],
+    }
+
+
+@pytest.fixture(scope="module")
+def caches(inputs, killed):
+    """{(world, model, kind): (one-process cache, torchrun cache)}: one torchrun launch per world size, which
+    also runs the refusals of ``_refusal_jobs`` and the rerun of the killed run."""
     root, models, data = inputs
     found = {}
+    before = _refusal_jobs(root, models, data, killed)
     for world, jobs in JOBS.items():
-        specs = []
+        specs = list(before[world])
         for name, kind in jobs:
             output = root / f"fsdp{world}-{name}-{kind}"
             specs.append({"model": str(models[name]), "output": str(output), "rollouts": str(data), "kind": kind,
@@ -169,57 +238,37 @@ def test_fsdp_outside_torchrun_is_one_line(inputs, tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
-def test_bad_input_seen_by_one_rank_stops_every_rank_with_the_same_line(inputs, tmp_path):
-    """OUT exists (only rank 0 opens it): every rank prints rank 0's line and exits 2, nobody waits."""
-    _, models, data = inputs
-    (tmp_path / "out").mkdir()
-    args = [str(models["qwen3-tied"]), "-o", str(tmp_path / "out"), "--rollouts", str(data), "--fsdp",
-            "--no-progress"]
-    results = finished(launch_ranks(2, lambda rank: args))
-    lines = {error_line(result) for result in results}
+def test_bad_input_seen_by_one_rank_stops_every_rank_with_the_same_line(inputs, caches):
+    """OUT exists (only rank 0 opens it): every rank prints rank 0's line and exits 2, nobody waits (the launch
+    goes on to its next job)."""
+    root = inputs[0]
+    lines = {error_line(result) for result in _cli_results(root, "bad-input", 2)}
     assert len(lines) == 1 and "already exists" in lines.pop()
+    assert list((root / "exists").iterdir()) == []
 
 
-def test_ranks_that_disagree_on_arguments_are_refused(inputs, tmp_path):
-    _, models, data = inputs
-    results = finished(launch_ranks(2, lambda rank: [
-        str(models["qwen3-tied"]), "-o", str(tmp_path / "out"), "--rollouts", str(data), "--fsdp", "--no-progress",
-        "--batch-size", str(2 + rank)]))
-    lines = {error_line(result) for result in results}
+def test_ranks_that_disagree_on_arguments_are_refused(inputs, caches):
+    root = inputs[0]
+    lines = {error_line(result) for result in _cli_results(root, "disagree", 2)}
     assert len(lines) == 1 and "ranks disagree on the arguments" in lines.pop()
-    assert not (tmp_path / "out").exists()
+    assert not (root / "disagree").exists()
 
 
-def test_killed_rank_leaves_no_cache_and_the_rerun_resumes(inputs, tmp_path):
-    """Both ranks stop themselves after step 2 (checkpointed); rank 1 is killed, rank 0 let go: rank 0 fails
-    at its next collective with one line, no cache. The same command then resumes; 3 ranks are refused."""
-    root, models, _ = inputs
-    data = write_jsonl(tmp_path / "long.jsonl", random_rollouts(16, seed=9))
-    model, output = models["qwen3-untied"], tmp_path / "fisher" / "killed"
-    args = [str(model), "-o", str(output), "--kind", "both", "--rollouts", str(data), "--batch-size", "2",
-            "--accumulator-dtype", "float64", "--checkpoint-every", "1", "--fsdp", "--no-progress",
-            "--collective-timeout", "60"]
-    processes = launch_ranks(2, lambda rank: args, {"GRAFTMERGE_TEST_STOP_AT": "fisher-step:2"})
-    deadline = time.monotonic() + TIMEOUT
-    while not all(_stopped(p.pid) for p in processes):
-        assert all(p.poll() is None for p in processes), [p.stderr.read() for p in processes]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    processes[1].send_signal(signal.SIGKILL)
-    processes[0].send_signal(signal.SIGCONT)
-    survivor = finished(processes[:1])[0]
-    processes[1].wait()
-    assert "lost contact with the other ranks" in error_line(survivor)
-    assert not output.exists()
-    assert sorted(p.name for p in checkpoint_folder(output).iterdir()) == ["rank00000.pt", "rank00001.pt"]
+def test_killed_rank_leaves_no_cache_and_the_rerun_resumes(inputs, killed, caches):
+    """Rank 1 killed after step 2: rank 0 fails at its next collective with one line, no cache, both checkpoints
+    kept. The same command is refused by 3 ranks (another run), and resumed by 2 to the one-process cache."""
+    assert "lost contact with the other ranks" in error_line(killed["survivor"])
+    assert not killed["cache_after_kill"]
+    assert killed["checkpoints_after_kill"] == ["rank00000.pt", "rank00001.pt"]
 
-    refused_three = finished(launch_ranks(3, lambda rank: args))
+    root, output = killed["root"], killed["output"]
+    refused_three = _cli_results(inputs[0], "three-ranks", 3)
     assert {"belongs to a run with other settings" in error_line(r) for r in refused_three} == {True}
 
-    resumed = finished(launch_ranks(2, lambda rank: args))
+    resumed = _cli_results(inputs[0], "resumed", 2)
     assert [r.returncode for r in resumed] == [0, 0], resumed[0].stderr[-3000:] + resumed[1].stderr[-3000:]
     assert not checkpoint_folder(output).exists()
-    single = one_process(model, data, tmp_path / "single", "both")
+    single = one_process(killed["model"], killed["data"], root / "single", "both")
     assert open_fisher_cache(output).manifest["counts"] == open_fisher_cache(single).manifest["counts"]
     caches_close(single, output, rtol=1e-6)
 
@@ -257,11 +306,7 @@ def test_a_rank_out_of_memory_says_so_and_the_others_stop(inputs, tmp_path):
     args = [str(models["qwen3-untied"]), "-o", str(output), "--kind", "both", "--rollouts", str(data),
             "--batch-size", "2", "--fsdp", "--no-progress", "--collective-timeout", "60"]
     processes = launch_ranks(2, lambda rank: args, {"GRAFTMERGE_TEST_STOP_AT": "fisher-step:1"})
-    deadline = time.monotonic() + TIMEOUT
-    while not all(_stopped(p.pid) for p in processes):
-        assert all(p.poll() is None for p in processes), [p.stderr.read() for p in processes]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _stop_both(processes)
     size = int(next(line for line in Path(f"/proc/{processes[1].pid}/status").read_text().splitlines()
                     if line.startswith("VmSize:")).split()[1]) * 1024
     resource.prlimit(processes[1].pid, resource.RLIMIT_AS, (size, size))
