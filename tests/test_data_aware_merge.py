@@ -166,6 +166,19 @@ def test_graftmerge_merge_and_a_real_mergekit_yaml_process(tmp_path, inputs):
     assert result.exit_code == 0, result.output
     first, second = read_model(tmp_path / "process"), read_model(tmp_path / "cli")
     assert all(torch.equal(first[n], second[n]) for n in first)
+    assert_card(tmp_path / "process", "RegMean", "α = 0.9", caches)
+
+
+def assert_card(folder, method_words: str, setting: str, caches) -> None:
+    """Our card, parsed by huggingface_hub: a merge, its formula with its setting, every input's cache."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(folder / "README.md")
+    assert method_words in card.text and setting in card.text
+    for cache in caches:
+        assert str(cache) in card.text, cache
+    assert card.data.base_model is None  # local folders only: not in any model tree, so no relation either
+    assert getattr(card.data, "base_model_relation", None) is None
 
 
 def test_run_merge_from_python(tmp_path, inputs):
@@ -180,6 +193,7 @@ def test_run_merge_from_python(tmp_path, inputs):
     parsed = MergeConfiguration.model_validate(yaml.safe_load(config("fisher", models, caches, WEIGHTS)))
     run_merge(parsed, str(tmp_path / "py"), options=MergeOptions(quiet=True))
     assert_close(read_model(tmp_path / "py"), dense_fisher(states, diagonals, WEIGHTS, 1e-30), rtol=2e-6)
+    assert_card(tmp_path / "py", "Fisher merging", "ε = 1e-30", caches)
 
 
 def test_stock_mergekit_knows_both_methods():

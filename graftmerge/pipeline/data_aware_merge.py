@@ -28,6 +28,7 @@ from graftmerge.formats.output_folder import MERGE, OutputFolder, stage_reached
 from graftmerge.math.finite import fits
 from graftmerge.math.fisher_average import FisherAverage, weighted_average
 from graftmerge.math.regmean import RegMeanSums
+from graftmerge.pipeline import merge_cards  # as a module: it imports mergekit's registry, whose hook imports us
 from graftmerge.pipeline.data_aware_plan import (
     DataAwareInput,
     DataAwarePlan,
@@ -247,6 +248,23 @@ def run_data_aware_merge(run_mergekit: RunMergekit, merge_config, out_path: str,
             config_source = merge_config.to_yaml()
         result = run_mergekit(run, merge_config, str(output.staging), options=options, config_source=config_source)
         run.check_unchanged()
+        if options.write_model_card:
+            merge_cards.write_merge_card(output.staging, merge_config, config_source, card_data(run))
         if not options.quiet:
             print(run.summary(), file=sys.stderr)
         return result
+
+
+def card_data(run: DataAwareRun) -> merge_cards.DataInputs:
+    """The caches this merge read (each input's, as its config names it) and the formula it applied."""
+    plan = run.plan
+    caches = {item.fisher: cache.path for item, cache in zip(plan.inputs, run.caches)}
+    if plan.method == "fisher":
+        note = (f"θ = Σᵢ wᵢ F̂ᵢ ⊙ θᵢ / Σᵢ wᵢ F̂ᵢ with F̂ = max(F, ε), ε = {plan.epsilon:g} (Fisher merging, "
+                "Matena & Raffel): each input's diagonal Fisher from its cache below; tensors with no diagonal "
+                "entry averaged with the weights.")
+    else:
+        note = (f"W = (Σᵢ G̃ᵢ)⁻¹ Σᵢ G̃ᵢ Wᵢ per linear weight with G̃ = αG + (1 − α)diag(G), α = {plan.alpha:g} "
+                "(RegMean, Jin et al.): each input's Gram from the input side of its cache's KFAC factors; "
+                "every other tensor averaged with the weights.")
+    return merge_cards.DataInputs(caches, (note,))
