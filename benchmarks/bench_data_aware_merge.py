@@ -11,6 +11,7 @@ diagonal output side and a full input side (a random orthonormal basis per input
 fresh eigenvalues per layer and model; q/k/v and gate/up share theirs, as real caches do).
 
     python benchmarks/bench_data_aware_merge.py --workdir bench-data-aware [--repeats 1] [--small]
+        [--methods linear,fisher]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ MODELS = ("m0", "m1", "m2")
 SHARD = 500_000_000
 
 
-def build_inputs(workdir: Path, config) -> None:
+def build_inputs(workdir: Path, config, kfac: bool = True) -> None:
     """Three related models (one base plus noise), each with a diagonal and a KFAC cache."""
     generator = torch.Generator().manual_seed(0)
     for index, name in enumerate(MODELS):
@@ -46,7 +47,7 @@ def build_inputs(workdir: Path, config) -> None:
             with FisherCacheWriter(workdir / f"diag-{name}", model=workdir / name, max_shard_bytes=SHARD) as w:
                 for tensor, info in Checkpoint(workdir / name).tensors.items():
                     w.add_diagonal(tensor, torch.rand(info.shape, generator=generator) ** 4)
-        if not (workdir / f"kfac-{name}").exists():
+        if kfac and not (workdir / f"kfac-{name}").exists():
             write_kfac_cache(workdir / f"kfac-{name}", workdir / name, generator)
 
 
@@ -135,14 +136,17 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("bench-data-aware"))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--small", action="store_true", help="a 4-layer, 32k-vocab model for a quick look")
+    parser.add_argument("--methods", default="linear,fisher,regmean",
+                        help="which merges to time (linear always, as the peer): e.g. linear,fisher")
     args = parser.parse_args()
+    methods = ["linear"] + [m for m in ("fisher", "regmean") if m in args.methods.split(",")]
     config = qwen3_config(**(dict(num_hidden_layers=4, vocab_size=32768) if args.small else {}))
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(f"building inputs in {args.workdir} ...", flush=True)
-    build_inputs(args.workdir, config)
+    build_inputs(args.workdir, config, kfac="regmean" in methods)
     params = sum(info.numel for info in Checkpoint(args.workdir / MODELS[0]).tensors.values())
     print(f"3 models of {params / 1e9:.3f}B parameters (bf16, tied); torch threads {torch.get_num_threads()}")
-    results: dict[str, dict[str, list[float]]] = {m: {"wall": [], "rss": []} for m in ("linear", "fisher", "regmean")}
+    results: dict[str, dict[str, list[float]]] = {m: {"wall": [], "rss": []} for m in methods}
     solves, rates = [], [float64_rate()]
     for repeat in range(args.repeats):
         for method in results:
@@ -153,7 +157,6 @@ def main() -> None:
                 solves.append(solve_report(stderr))
             print(f"  run {repeat + 1} {method:8s} {wall:7.1f} s  {rss:8.0f} MB", flush=True)
         rates.append(float64_rate())
-    seconds, flops = median([s for s, _ in solves]), median([f for _, f in solves])
     rate = median(rates)
     linear_wall, linear_rss = median(results["linear"]["wall"]), median(results["linear"]["rss"])
     print(f"\nmedians of {args.repeats}")
@@ -161,6 +164,9 @@ def main() -> None:
     for method, r in results.items():
         wall, rss = median(r["wall"]), median(r["rss"])
         print(f"{method:10s} {wall:8.1f} {wall / linear_wall:9.2f} {rss:12.0f} {rss / linear_rss:9.2f}")
+    if not solves:
+        return
+    seconds, flops = median([s for s, _ in solves]), median([f for _, f in solves])
     print(f"\nregmean solves: {seconds:.1f} s for {flops / 1e12:.2f} TFLOP; float64 matmul rate {rate / 1e9:.1f} "
           f"GFLOP/s (median of {len(rates)} measures around the merges), so the FLOP count alone takes "
           f"{flops / rate:.1f} s ({seconds / (flops / rate):.2f}× that)")

@@ -156,3 +156,21 @@ def test_state_dicts_without_any_cache_are_the_plain_average_with_a_warning(setu
             merged = merge_state_dicts(states, method, parameters={"weight": [1.0, 3.0]})
         for name, tensor in merged.items():
             assert torch.allclose(tensor, (states[0][name] + 3 * states[1][name]) / 4, rtol=1e-6, atol=1e-7)
+
+
+def test_a_singular_gram_sum_is_refused_before_the_first_tensor(setup):
+    """Opening the run (every check before mergekit merges a tensor) already solves nothing but finds Σ G̃ singular."""
+    import yaml
+    from mergekit.config import MergeConfiguration
+
+    from graftmerge.pipeline.data_aware_merge import open_file_run
+    from graftmerge.pipeline.data_aware_plan import plan_from_merge_config
+
+    root, models, _ = setup
+    parsed = MergeConfiguration.model_validate(yaml.safe_load(
+        with_caches(root, models, ("singular0", "singular1"), "regmean", alpha=1.0)))
+    with pytest.raises(GraftError, match="is singular: lower alpha"):
+        open_file_run(plan_from_merge_config(parsed, ""), None)
+    parsed = MergeConfiguration.model_validate(yaml.safe_load(
+        with_caches(root, models, ("singular0", "singular1"), "regmean", alpha=0.5)))
+    assert open_file_run(plan_from_merge_config(parsed, ""), None).weighted  # the ridge makes it solvable

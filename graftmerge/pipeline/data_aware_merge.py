@@ -27,7 +27,7 @@ from graftmerge.formats.fisher_cache import FisherCache, side_rank
 from graftmerge.formats.output_folder import MERGE, OutputFolder, stage_reached
 from graftmerge.math.finite import fits
 from graftmerge.math.fisher_average import FisherAverage, weighted_average
-from graftmerge.math.regmean import RegMeanSums
+from graftmerge.math.regmean import RegMeanSums, cholesky
 from graftmerge.pipeline import merge_cards  # as a module: it imports mergekit's registry, whose hook imports us
 from graftmerge.pipeline.data_aware_plan import (
     DataAwareInput,
@@ -178,6 +178,22 @@ def _regmean(run: DataAwareRun, name: str, tensors: Sequence[torch.Tensor], side
     return solved.T if side == "columns" else solved
 
 
+def check_gram_sums(plan: DataAwarePlan, caches: Sequence[FisherCache], weighted: Mapping[str, str]) -> None:
+    """Every Σ G̃ the merge will solve with is positive definite: a singular one is refused before the first
+    tensor, not when its weight comes. One Gram sum and Cholesky per distinct set of factors (q/k/v and gate/up
+    share theirs), one at a time: the merge's Gram work once more, none of its products."""
+    seen = set()
+    for name, side in sorted(weighted.items()):
+        keys = tuple(cache.entries[name]["kfac"][side] for cache in caches)
+        if keys in seen:
+            continue
+        seen.add(keys)
+        sums = RegMeanSums(plan.alpha)
+        for cache, key, weight in zip(caches, keys, plan.weights):
+            sums.add_gram(cache.side_spectrum(key, name), weight)
+        cholesky(sums.total, f"regmean: linear weight {name!r}")
+
+
 def open_run(plan: DataAwarePlan, models: list, out_dtype: torch.dtype | None = None,
              index: dict[Hashable, int] | None = None) -> DataAwareRun:
     """Open ``plan``'s caches against its opened ``models`` and decide each tensor's rule: every check a merge
@@ -191,6 +207,7 @@ def open_run(plan: DataAwarePlan, models: list, out_dtype: torch.dtype | None = 
         shapes = {name: models[0].tensors[name].shape for name in names}
         layers = regmean_layers(plan, {name: None for name in names if len(shapes[name]) == 2})
         weighted = regmean_coverage(plan, caches, layers, shapes)
+        check_gram_sums(plan, caches, weighted)
     index = index if index is not None else {item.label: position for position, item in enumerate(plan.inputs)}
     return DataAwareRun(plan, caches, weighted, index, models=models, out_dtype=out_dtype)
 
