@@ -152,11 +152,10 @@ def test_the_state_dict_api_is_bit_for_bit_the_cli(inputs, merged):
             assert torch.equal(result[name], merged[label][name]), (method, name)
 
 
+@pytest.mark.parametrize("inputs", ["gpt2"], indirect=True)  # one architecture is enough for the process path
 def test_graftmerge_merge_and_a_real_mergekit_yaml_process(tmp_path, inputs):
     """The .pth hook registers both methods in a fresh interpreter; ``graftmerge merge`` is the same merge."""
     key, models, caches, _, _, _ = inputs
-    if key != "gpt2":
-        pytest.skip("one architecture is enough for the process-level path")
     text = config("regmean", models, caches, WEIGHTS, alpha=0.9)
     (tmp_path / "c.yml").write_text(text)
     process = run_process("mergekit-yaml", str(tmp_path / "c.yml"), str(tmp_path / "process"))
@@ -181,6 +180,7 @@ def assert_card(folder, method_words: str, setting: str, caches) -> None:
     assert getattr(card.data, "base_model_relation", None) is None
 
 
+@pytest.mark.parametrize("inputs", ["llama-untied"], indirect=True)  # one architecture is enough for Python
 def test_run_merge_from_python(tmp_path, inputs):
     import yaml
     from mergekit.config import MergeConfiguration
@@ -188,8 +188,6 @@ def test_run_merge_from_python(tmp_path, inputs):
     from mergekit.options import MergeOptions
 
     key, models, caches, _, states, diagonals = inputs
-    if key != "llama-untied":
-        pytest.skip("one architecture is enough for the Python path")
     parsed = MergeConfiguration.model_validate(yaml.safe_load(config("fisher", models, caches, WEIGHTS)))
     run_merge(parsed, str(tmp_path / "py"), options=MergeOptions(quiet=True))
     assert_close(read_model(tmp_path / "py"), dense_fisher(states, diagonals, WEIGHTS, 1e-30), rtol=2e-6)
