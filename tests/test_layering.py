@@ -288,6 +288,9 @@ def callee_name(node: ast.expr) -> str | None:
     return getattr(node, "id", getattr(node, "attr", None))
 
 
+SELF_FILLING = {"ActiveRuns"}  # stores filled through their own methods (adapter/active_runs.py): always stores
+
+
 def module_stores(tree: ast.Module) -> set[str]:
     """Names of module-level containers the module writes into, and of its memoised (``lru_cache``) functions."""
     containers = set()
@@ -299,7 +302,10 @@ def module_stores(tree: ast.Module) -> set[str]:
         made = isinstance(value, ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp | ast.SetComp) or (
             isinstance(value, ast.Call) and callee_name(value) in CONTAINERS)
         containers.update(t.id for t in targets if made and isinstance(t, ast.Name))
-    written = set()
+    written = {t.id for node in tree.body if isinstance(node, ast.Assign | ast.AnnAssign)
+               and isinstance(node.value, ast.Call) and callee_name(node.value) in SELF_FILLING
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    containers |= written
     for node in ast.walk(tree):
         if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store | ast.Del):
             written.add(getattr(node.value, "id", None))

@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -31,6 +30,7 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
+from graftmerge.adapter.active_runs import ActiveRuns
 from graftmerge.errors import GraftError
 from graftmerge.pipeline.data_aware_merge import (
     DataAwareRun,
@@ -45,23 +45,17 @@ REFERENCES = {"fisher": "https://arxiv.org/abs/2111.09832", "regmean": "https://
 
 # The fisher/regmean merges running in this process, by id, each for exactly as long as its
 # mergekit call runs (the same arrangement as graft's runs: mergekit's tasks carry only parameters).
-_ACTIVE_RUNS: dict[str, DataAwareRun] = {}
+_ACTIVE_RUNS: ActiveRuns[DataAwareRun] = ActiveRuns("data-aware")
 
 
-@contextlib.contextmanager
-def registered_run(run: DataAwareRun) -> Iterator[str]:
+def registered_run(run: DataAwareRun) -> contextlib.AbstractContextManager[str]:
     """``run`` findable by the id this yields, until the block ends, however it ends."""
-    run_id = f"{run.plan.method}-run-{uuid.uuid4().hex}"
-    _ACTIVE_RUNS[run_id] = run
-    try:
-        yield run_id
-    finally:
-        del _ACTIVE_RUNS[run_id]
+    return _ACTIVE_RUNS.registered(run, kind=run.plan.method)
 
 
 def find_run(run_id: str | None, method: str) -> DataAwareRun:
     """The run registered under ``run_id``; GraftError when there is none."""
-    run = _ACTIVE_RUNS.get(run_id) if run_id is not None else None
+    run = _ACTIVE_RUNS.find(run_id)
     if run is None:
         raise GraftError(f"{method} ran a tensor outside a {method} merge: run its configs through mergekit's "
                          "run_merge (mergekit-yaml, graftmerge merge) with graftmerge installed, or merge state "

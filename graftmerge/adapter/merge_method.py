@@ -22,8 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -40,6 +39,7 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
+from graftmerge.adapter.active_runs import ActiveRuns
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import InMemoryCheckpoint
 from graftmerge.pipeline import schedule_binding
@@ -54,27 +54,18 @@ RUN_PARAMETER = "graft_run"  # the id of the merge a task belongs to, put into t
 
 
 # The graft merges running in this process, by id, each for exactly as long as mergekit's
-# run_merge runs: per process by necessity (mergekit's tasks carry only parameters), and
-# empty once every merge has returned. Keyed by an id carried in the tasks' parameters, not
-# "the current merge": mergekit may run tasks in other threads (--multi-gpu), and two merges
-# may run at once in one process.
-_ACTIVE_RUNS: dict[str, MergeRun] = {}
+# run_merge runs: per process by necessity (mergekit's tasks carry only parameters).
+_ACTIVE_RUNS: ActiveRuns[MergeRun] = ActiveRuns("graft")
 
 
-@contextlib.contextmanager
-def registered_run(run: MergeRun) -> Iterator[str]:
+def registered_run(run: MergeRun) -> contextlib.AbstractContextManager[str]:
     """``run`` findable by the id this yields (:func:`find_run`), until the block ends, however it ends."""
-    run_id = f"graft-run-{uuid.uuid4().hex}"
-    _ACTIVE_RUNS[run_id] = run
-    try:
-        yield run_id
-    finally:
-        del _ACTIVE_RUNS[run_id]
+    return _ACTIVE_RUNS.registered(run)
 
 
 def find_run(run_id: str | None) -> MergeRun:
     """The run registered under ``run_id``; GraftError when there is none (a task outside a graft merge)."""
-    run = _ACTIVE_RUNS.get(run_id) if run_id is not None else None
+    run = _ACTIVE_RUNS.find(run_id)
     if run is None:
         raise GraftError(
             "graft ran a tensor outside a graft merge: run graft configs through mergekit's run_merge "
