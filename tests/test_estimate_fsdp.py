@@ -105,12 +105,9 @@ def inputs(tmp_path_factory):
     return root, models, data
 
 
-# every (model, kind) once; 3 ranks (uneven shards of 9 rollouts in batches of 2) get the larger share
-JOBS = {
-    3: [("qwen3-tied", "both"), ("qwen3-untied", "both"), ("gpt2", "both"), ("qwen3-tied", "kfac"),
-        ("gpt2", "diagonal")],
-    2: [("qwen3-tied", "diagonal"), ("qwen3-untied", "kfac"), ("qwen3-untied", "diagonal"), ("gpt2", "kfac")],
-}
+# every (model, kind) at both world sizes (3 ranks: uneven shards of 9 rollouts in batches of 2)
+JOBS = {world: [(model, kind) for model in ("qwen3-tied", "qwen3-untied", "gpt2")
+                for kind in ("diagonal", "kfac", "both")] for world in (3, 2)}
 CASES = [(world, model, kind) for world, jobs in JOBS.items() for model, kind in jobs]
 
 
@@ -181,7 +178,10 @@ def caches(inputs, killed):
             output = root / f"fsdp{world}-{name}-{kind}"
             specs.append({"model": str(models[name]), "output": str(output), "rollouts": str(data), "kind": kind,
                           "batch_size": 2, "accumulator_dtype": "float64"})
-            found[world, name, kind] = (one_process(models[name], data, root / f"single-{name}-{kind}", kind), output)
+            single = root / f"single-{name}-{kind}"
+            if not single.exists():  # one single-process reference per (model, kind), for both world sizes
+                one_process(models[name], data, single, kind)
+            found[world, name, kind] = (single, output)
         if world == 2:  # --prompts: sampled with sharded weights, 3 prompts on rank 0 and 2 on rank 1
             specs.append({**SAMPLING, "model": str(models["qwen3-untied"]), "output": str(root / "fsdp-sampled"),
                           "prompts": str(prompts(root)), "save_rollouts": str(root / "fsdp-sampled.jsonl")})
