@@ -30,15 +30,21 @@ class Ranks:
         return self.rank == 0
 
 
-def start(device: str | None = None) -> Ranks:
-    """Join the torchrun process group if there is one (env WORLD_SIZE > 1)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+def rank_device(device: str | None) -> torch.device:
+    """``device``, or this process's GPU (torchrun's LOCAL_RANK) when there are GPUs, else the CPU; made current."""
     if device is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     target = torch.device(device)
     if target.type == "cuda":
         torch.cuda.set_device(target)
+    return target
+
+
+def start(device: str | None = None) -> Ranks:
+    """Join the torchrun process group if there is one (env WORLD_SIZE > 1)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    target = rank_device(device)
     if world_size == 1:
         return Ranks(0, 1, target, False)
     started = False

@@ -101,12 +101,7 @@ def start(device: str | None, timeout: float) -> distributed.Ranks:
             "torchrun --nproc-per-node N -m graftmerge fisher estimate MODEL ... --fsdp"
         )
     keep_large_buffers_off_the_heap()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    target = torch.device(device)
-    if target.type == "cuda":
-        torch.cuda.set_device(target)
+    target = distributed.rank_device(device)
     started = not dist.is_initialized()
     if started:
         dist.init_process_group(backend="nccl" if target.type == "cuda" else "gloo",
