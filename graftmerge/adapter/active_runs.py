@@ -33,6 +33,20 @@ class ActiveRuns(dict[str, Run], Generic[Run]):
         finally:
             del self[run_id]
 
+    def run_merge(self, original, run: Run, parameter: str, config, out_path: str, options, config_source=None,
+                  kind: str | None = None):
+        """mergekit's own ``original`` run_merge on ``config`` for ``run``: registered meanwhile, its id in the
+        config's parameter ``parameter``, where each task finds it.
+
+        mergekit writes the config it is given into the model card unless given its source: the
+        source is the config as the caller gave it, never with the id.
+        """
+        if not config_source:
+            config_source = config.to_yaml()
+        with self.registered(run, kind) as run_id:
+            config = config.model_copy(update={"parameters": {**(config.parameters or {}), parameter: run_id}})
+            return original(config, out_path, options=options, config_source=config_source)
+
     def find(self, run_id: str | None) -> Run | None:
         """The run registered under ``run_id``, None when there is none."""
         return self.get(run_id) if run_id is not None else None

@@ -144,10 +144,9 @@ def register_data_aware(registry_module: ModuleType = mergekit_registry) -> None
 
 
 def run_mergekit(original: Callable, run: DataAwareRun, config, out_path: str, options, config_source=None):
-    """mergekit's own ``run_merge`` on ``config`` for ``run``, registered meanwhile, its id in the parameters."""
-    with registered_run(run) as run_id:
-        config = config.model_copy(update={"parameters": {**(config.parameters or {}), RUN_PARAMETER: run_id}})
-        return original(config, out_path, options=options, config_source=config_source)
+    """mergekit's own ``run_merge`` on ``config`` for ``run``, findable by its tasks meanwhile."""
+    return _ACTIVE_RUNS.run_merge(original, run, RUN_PARAMETER, config, out_path, options, config_source,
+                                  kind=run.plan.method)
 
 
 def wrap_run_merge(merge_module) -> None:

@@ -5,7 +5,8 @@ the stock ``mergekit-yaml`` knows ``merge_method: graft``.
 
 mergekit plans one task per tensor from the config's parameters and calls ``merge_group``
 with them; it cannot hand a task an object. So each graft merge's
-:class:`~graftmerge.pipeline.merge_run.MergeRun` is registered (:func:`registered_run`) for
+:class:`~graftmerge.pipeline.merge_run.MergeRun` is registered (``_ACTIVE_RUNS``, an
+:class:`~graftmerge.adapter.active_runs.ActiveRuns`) for
 the duration of mergekit's ``run_merge``, under an id the merge puts into the config
 mergekit sees (the parameter ``graft_run``); ``merge_group`` looks its run up by that id,
 and nothing else: that lookup is the one place per-merge state is found rather than
@@ -19,7 +20,6 @@ not yet defined and skips it), and the lines at the bottom register graft.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from collections.abc import Callable, Mapping
@@ -56,11 +56,6 @@ RUN_PARAMETER = "graft_run"  # the id of the merge a task belongs to, put into t
 # The graft merges running in this process, by id, each for exactly as long as mergekit's
 # run_merge runs: per process by necessity (mergekit's tasks carry only parameters).
 _ACTIVE_RUNS: ActiveRuns[MergeRun] = ActiveRuns("graft")
-
-
-def registered_run(run: MergeRun) -> contextlib.AbstractContextManager[str]:
-    """``run`` findable by the id this yields (:func:`find_run`), until the block ends, however it ends."""
-    return _ACTIVE_RUNS.registered(run)
 
 
 def find_run(run_id: str | None) -> MergeRun:
@@ -259,17 +254,8 @@ def register_graft(registry_module: ModuleType = mergekit_registry) -> None:
 
 
 def run_mergekit(original: Callable, run: MergeRun, config, out_path: str, options, config_source=None):
-    """mergekit's own ``run_merge`` on ``config`` for graft merge ``run``: the run registered in
-    this process's active runs meanwhile, and its id in the config's parameters where each task finds it.
-
-    mergekit writes the config it is given into the model card unless given its source:
-    the source is the config as the caller gave it, never with the id.
-    """
-    if not config_source:
-        config_source = config.to_yaml()
-    with registered_run(run) as run_id:
-        config = config.model_copy(update={"parameters": {**(config.parameters or {}), RUN_PARAMETER: run_id}})
-        return original(config, out_path, options=options, config_source=config_source)
+    """mergekit's own ``run_merge`` on ``config`` for graft merge ``run``, findable by its tasks meanwhile."""
+    return _ACTIVE_RUNS.run_merge(original, run, RUN_PARAMETER, config, out_path, options, config_source)
 
 
 def wrap_run_merge(merge_module) -> None:
