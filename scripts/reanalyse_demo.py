@@ -5,6 +5,9 @@ Prints (or writes with --tables) the corrected markdown tables: 95 % paired-t in
 every paired difference, the value-prior baseline per seed, the paper's own baselines
 (unmasked OPSD + merge included) and where the chosen λ and ρ sit in the grid; --plot
 writes the figure (Pareto frontiers, chosen points and differences with intervals).
+A registration-2 run (`"registration": 2`, docs/demo-preregistration-2.md) recorded its own
+intervals, gates and verdicts: for it the script lays those out (graftmerge.demo.lm_results_2)
+and recomputes nothing.
 
     .venv/bin/python scripts/reanalyse_demo.py docs/results/demo-full-results.json \\
         --tables /tmp/tables.md --plot docs/results/demo-full-results.png
@@ -18,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from graftmerge.demo import lm_results_2
 from graftmerge.demo.lm_plots import results_figure
 from graftmerge.demo.lm_reanalysis import markdown_report, reanalyse
 from graftmerge.errors import GraftError
@@ -55,17 +59,21 @@ def main(argv: list[str] | None = None) -> int:
         results = load_json_file(arguments.results, "demo results file")
         if not isinstance(results, dict):
             raise GraftError(f"{arguments.results}: not a results.json of `graftmerge demo --lm` (not an object)")
-        analysis = reanalyse(results, str(arguments.results))
+        if results.get("registration") == 2:
+            analysis = lm_results_2.check_results(results, str(arguments.results))
+            report, figure = lm_results_2.markdown_report(analysis), lm_results_2.results_figure
+        else:
+            analysis = reanalyse(results, str(arguments.results))
+            report, figure = markdown_report(analysis), results_figure
     except GraftError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    report = markdown_report(analysis)
     if arguments.tables is None:
         print(report, end="")
     else:
         _replace(arguments.tables, lambda path: path.write_text(report, encoding="utf-8"))
     if arguments.plot is not None:
-        _replace(arguments.plot, lambda path: results_figure(analysis, path))
+        _replace(arguments.plot, lambda path: figure(analysis, path))
     return 0
 
 

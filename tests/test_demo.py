@@ -18,6 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from graftmerge.cli import main
+from graftmerge.demo import lm_results_2
 from graftmerge.demo.lm_evaluate import graft_config
 from graftmerge.demo.lm_settings import TINY
 from graftmerge.formats.checkpoint import Checkpoint
@@ -141,6 +142,16 @@ def test_masked_sft_of_the_demo_is_the_brute_force_graft(tiny_run, tmp_path: Pat
     post_w, sft_w = read_model(post), read_model(sft)
     for name in post_w:  # unmasked: SFT + merge, θpost + λ (θsft − θpost)
         assert torch.allclose(plain[name], post_w[name] + 0.5 * (sft_w[name] - post_w[name]), atol=1e-6), name
+
+
+def test_results_page_of_a_one_seed_run_says_it_cannot_rank(tiny_run, tmp_path: Path) -> None:
+    """The registration-2 page and figure of one seed: no interval anywhere, the verdict "too few seeds"."""
+    _, results, _ = tiny_run
+    page = lm_results_2.markdown_report(lm_results_2.check_results(results, "results.json"))
+    assert "Intervals: none (one seed)" in page and "too few seeds to test" in page
+    rows = lm_results_2.questions_table(results)[2:]
+    assert rows and all("[" not in row.split("|")[3] for row in rows)  # a difference of one seed: no interval
+    assert lm_results_2.results_figure(results, tmp_path / "r.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(("arguments", "expected"), [

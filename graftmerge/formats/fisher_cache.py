@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -469,14 +470,41 @@ class FisherCache:
             tensor = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0] : rows[1]]
         return tensor.to(torch.float32)
 
-    def diagonal(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The diagonal Fisher of weight ``name`` (float32, shaped like it; or rows ``start:stop``), value-checked."""
+    def diagonal(self, name: str, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """The diagonal Fisher of weight ``name`` (float32, shaped like it; or rows ``start:stop``), value-checked.
+
+        ``out`` (float32, contiguous, the whole weight's shape): read into it instead of a new
+        tensor, straight from the file when the cache stores float32 (a reused buffer costs no
+        page faults; see :mod:`graftmerge.math.workspace`).
+        """
         if not self.has(name, "diagonal"):
             raise GraftError(f"Fisher cache {self.path} has no diagonal entry for {name!r}")
         key = self.entries[name]["diagonal"]["key"]
-        tensor = self._read(key, rows)
+        tensor = self._read(key, rows) if out is None or rows is not None else self._read_into(key, out)
         _check_values(tensor, self._where(key, f"diagonal of {name!r}"))
         return tensor
+
+    def _read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """Stored tensor ``key`` into ``out``: the float32 bytes read in place, any other dtype converted."""
+        layout = self._layouts[self._files[key]]
+        info = layout.tensors[key]
+        if tuple(out.shape) != tuple(info.shape) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(info.shape)}")
+        if info.dtype != "F32" or sys.byteorder != "little" or out.numel() == 0:
+            return out.copy_(self._read(key))
+        begin, end = layout.offsets[key]
+        target = memoryview(out.numpy()).cast("B")
+        with open(layout.file, "rb", buffering=0) as handle:
+            handle.seek(layout.data_start + begin)
+            done = 0
+            while done < end - begin:  # one read(2) returns at most ~2 GiB
+                count = handle.readinto(target[done:])
+                if not count:
+                    raise GraftError(f"{self._where(key, 'diagonal')}: the file ends before the tensor's bytes "
+                                     "(truncated since it was opened?)")
+                done += count
+        return out
 
     def _where(self, key: str, what: str) -> str:
         """How messages name one stored tensor: the cache, the tensor key, its shard, what it is."""

@@ -13,36 +13,56 @@ from __future__ import annotations
 
 import torch
 
+from graftmerge.math.workspace import Workspace
+
 
 class FisherAverage:
-    """Running sums of one tensor's Fisher-weighted average; :meth:`add` each input, then :meth:`result`."""
+    """Running sums of one tensor's Fisher-weighted average; :meth:`add` each input, then :meth:`result`.
 
-    def __init__(self, epsilon: float, dtype: torch.dtype = torch.float32):
+    With a :class:`~graftmerge.math.workspace.Workspace`, the sums and the inputs' dtype
+    conversions live in its reused buffers (no fresh allocation per tensor), and the
+    result is a view of one: copy it before the next tensor.
+    """
+
+    def __init__(self, epsilon: float, dtype: torch.dtype = torch.float32, workspace: Workspace | None = None):
         self.epsilon = epsilon
         self.dtype = dtype  # the sums' dtype: at least float32, whatever the inputs are
+        self.workspace = workspace
         self.numerator: torch.Tensor | None = None  # Σ w F̂ θ
         self.denominator: torch.Tensor | None = None  # Σ w F̂
         self.plain: torch.Tensor | None = None  # Σ w θ, kept only when ε = 0 (the fallback needs it)
         self.weight_sum = 0.0
 
+    def _scratch(self, slot: str, like: torch.Tensor) -> torch.Tensor:
+        if self.workspace is None:
+            return torch.empty(like.shape, dtype=self.dtype)
+        return self.workspace.take(f"fisher-average-{slot}", like.shape, self.dtype)
+
     def add(self, tensor: torch.Tensor, fisher: torch.Tensor, weight: float) -> None:
         """One input: its tensor, its diagonal Fisher (same shape, ≥ 0) and its weight (≥ 0).
 
-        ``fisher`` is consumed: floored and scaled in place when it is already in the sums' dtype
-        (a Fisher read from a cache is the caller's own copy; this saves two passes over it).
+        ``fisher`` is consumed: floored (and, without a workspace, scaled) in place when it is
+        already in the sums' dtype (a Fisher read from a cache is the caller's own copy).
         """
-        tensor = tensor.to(self.dtype)
+        if tensor.dtype != self.dtype:
+            tensor = self._scratch("input", tensor).copy_(tensor)
         floored = fisher.to(self.dtype)
         if self.epsilon > 0:
             floored.clamp_min_(self.epsilon)
         if self.numerator is None:
-            self.numerator = torch.mul(floored, tensor).mul_(weight)
-            self.denominator = floored.mul_(weight)
+            self.numerator = torch.mul(floored, tensor, out=self._scratch("numerator", tensor)).mul_(weight)
+            if self.workspace is None:
+                self.denominator = floored.mul_(weight)
+            else:
+                self.denominator = torch.mul(floored, weight, out=self._scratch("denominator", tensor))
         else:
             self.numerator.addcmul_(floored, tensor, value=weight)
             self.denominator.add_(floored, alpha=weight)
         if self.epsilon == 0:
-            self.plain = tensor * weight if self.plain is None else self.plain.add_(tensor, alpha=weight)
+            if self.plain is None:
+                self.plain = torch.mul(tensor, weight, out=self._scratch("plain", tensor))
+            else:
+                self.plain.add_(tensor, alpha=weight)
         self.weight_sum += weight
 
     def result(self) -> torch.Tensor:

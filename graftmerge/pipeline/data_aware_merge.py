@@ -28,6 +28,7 @@ from graftmerge.formats.output_folder import MERGE, OutputFolder, stage_reached
 from graftmerge.math.finite import fits
 from graftmerge.math.fisher_average import FisherAverage, weighted_average
 from graftmerge.math.regmean import RegMeanSums, cholesky
+from graftmerge.math.workspace import Workspace
 from graftmerge.pipeline import merge_cards  # as a module: it imports mergekit's registry, whose hook imports us
 from graftmerge.pipeline.data_aware_plan import (
     DataAwareInput,
@@ -59,6 +60,7 @@ class DataAwareRun:
     solve_seconds: float = 0.0  # regmean: time in the Gram solves
     solve_flops: float = 0.0  # regmean: their floating-point operations
     _factor: tuple | None = None  # regmean: (factor keys, Cholesky of Σ G̃) of the last weight, for q/k/v sharing it
+    workspace: Workspace = field(default_factory=Workspace)  # fisher: cache reads and sums in reused buffers
 
     def check_unchanged(self) -> None:
         """GraftError when a model or cache file changed since it was opened."""
@@ -139,7 +141,7 @@ def merge_tensor(run: DataAwareRun, name: str, tensors: Sequence[torch.Tensor]) 
         else:
             merged = weighted_average(list(tensors), run.plan.weights, work)
     run.counts["fisher" if rule == "fisher" else "regmean" if rule else "average"] += 1
-    result = merged.to(tensors[0].dtype)
+    result = merged.to(tensors[0].dtype, copy=rule == "fisher")  # fisher's sums are the workspace's: copy out
     if not fits(result, run.out_dtype):
         raise GraftError(f"tensor {name!r}: the {run.plan.method} merge is not finite"
                          f"{' in ' + str(run.out_dtype).removeprefix('torch.') if run.out_dtype else ''} "
@@ -148,9 +150,14 @@ def merge_tensor(run: DataAwareRun, name: str, tensors: Sequence[torch.Tensor]) 
 
 
 def _fisher(run: DataAwareRun, name: str, tensors: Sequence[torch.Tensor], work: torch.dtype) -> torch.Tensor:
-    average = FisherAverage(run.plan.epsilon, work)
+    on_cpu = all(tensor.device.type == "cpu" for tensor in tensors)  # the workspace's buffers are host memory
+    average = FisherAverage(run.plan.epsilon, work, run.workspace if on_cpu else None)
     for tensor, cache, weight in zip(tensors, run.caches, run.plan.weights):
-        average.add(tensor, cache.diagonal(name).to(tensor.device), weight)
+        if on_cpu:
+            fisher = cache.diagonal(name, out=run.workspace.take("fisher", tensor.shape, torch.float32))
+        else:
+            fisher = cache.diagonal(name).to(tensor.device)
+        average.add(tensor, fisher, weight)
     return average.result()
 
 
@@ -264,6 +271,7 @@ def run_data_aware_merge(run_mergekit: RunMergekit, merge_config, out_path: str,
         if config_source is None:
             config_source = merge_config.to_yaml()
         result = run_mergekit(run, merge_config, str(output.staging), options=options, config_source=config_source)
+        run.workspace.release()
         run.check_unchanged()
         if options.write_model_card:
             merge_cards.write_merge_card(output.staging, merge_config, config_source, card_data(run))
