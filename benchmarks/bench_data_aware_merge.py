@@ -11,12 +11,16 @@ diagonal output side and a full input side (a random orthonormal basis per input
 fresh eigenvalues per layer and model; q/k/v and gate/up share theirs, as real caches do).
 
     python benchmarks/bench_data_aware_merge.py --workdir bench-data-aware [--repeats 1] [--small]
-        [--methods linear,fisher]
+        [--methods linear,fisher] [--fisher-from OLD_CHECKOUT]
+
+--fisher-from times the fisher merge once more per repeat with graftmerge imported from
+another checkout (e.g. a `git worktree` of an earlier commit): a before/after in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -102,11 +106,13 @@ def float64_rate(size: int = 2048, repeats: int = 5) -> float:
     return repeats * 2 * size**3 / (time.perf_counter() - start)
 
 
-def timed_merge(workdir: Path, method: str) -> tuple[float, float, str]:
+def timed_merge(workdir: Path, method: str, source: Path | None = None) -> tuple[float, float, str]:
     """(wall seconds, peak RSS MB, stderr) of one fresh `mergekit-yaml` process merging with ``method``.
 
     The peak RSS is the merge process's own, measured as ``common.timed_run`` measures it.
+    ``source``: import graftmerge from that checkout instead (PYTHONPATH) for this merge.
     """
+    env = None if source is None else {**os.environ, "PYTHONPATH": str(source.resolve())}
     config_file = workdir / "bench.yml"
     config_file.write_text(config_text(workdir.resolve(), method))
     out = workdir / "out"
@@ -116,7 +122,7 @@ def timed_merge(workdir: Path, method: str) -> tuple[float, float, str]:
         start = time.perf_counter()
         result = subprocess.run([sys.executable, "-c", _PEAK_RSS_PROBE, str(peak_file), str(BIN / "mergekit-yaml"),
                                  str(config_file), str(out), "--out-shard-size", "500M"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         wall = time.perf_counter() - start
         if result.returncode != 0:
             raise RuntimeError(f"{method} failed:\n{result.stderr[-2000:]}")
@@ -138,32 +144,38 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a 4-layer, 32k-vocab model for a quick look")
     parser.add_argument("--methods", default="linear,fisher,regmean",
                         help="which merges to time (linear always, as the peer): e.g. linear,fisher")
+    parser.add_argument("--fisher-from", type=Path, help="also time fisher with graftmerge from this checkout")
     args = parser.parse_args()
     methods = ["linear"] + [m for m in ("fisher", "regmean") if m in args.methods.split(",")]
+    sources: dict[str, Path | None] = {m: None for m in methods}
+    if args.fisher_from is not None:
+        if not (args.fisher_from / "graftmerge" / "__init__.py").is_file():
+            parser.error(f"--fisher-from {args.fisher_from}: no graftmerge package there")
+        sources[f"fisher@{args.fisher_from.name}"] = args.fisher_from
     config = qwen3_config(**(dict(num_hidden_layers=4, vocab_size=32768) if args.small else {}))
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(f"building inputs in {args.workdir} ...", flush=True)
     build_inputs(args.workdir, config, kfac="regmean" in methods)
     params = sum(info.numel for info in Checkpoint(args.workdir / MODELS[0]).tensors.values())
     print(f"3 models of {params / 1e9:.3f}B parameters (bf16, tied); torch threads {torch.get_num_threads()}")
-    results: dict[str, dict[str, list[float]]] = {m: {"wall": [], "rss": []} for m in methods}
+    results: dict[str, dict[str, list[float]]] = {m: {"wall": [], "rss": []} for m in sources}
     solves, rates = [], [float64_rate()]
     for repeat in range(args.repeats):
         for method in results:
-            wall, rss, stderr = timed_merge(args.workdir, method)
+            wall, rss, stderr = timed_merge(args.workdir, method.split("@")[0], sources[method])
             results[method]["wall"].append(wall)
             results[method]["rss"].append(rss)
             if method == "regmean":
                 solves.append(solve_report(stderr))
-            print(f"  run {repeat + 1} {method:8s} {wall:7.1f} s  {rss:8.0f} MB", flush=True)
+            print(f"  run {repeat + 1} {method:14s} {wall:7.1f} s  {rss:8.0f} MB", flush=True)
         rates.append(float64_rate())
     rate = median(rates)
     linear_wall, linear_rss = median(results["linear"]["wall"]), median(results["linear"]["rss"])
     print(f"\nmedians of {args.repeats}")
-    print(f"{'method':10s} {'wall s':>8s} {'÷ linear':>9s} {'peak RSS MB':>12s} {'÷ linear':>9s}")
+    print(f"{'method':16s} {'wall s':>8s} {'÷ linear':>9s} {'peak RSS MB':>12s} {'÷ linear':>9s}")
     for method, r in results.items():
         wall, rss = median(r["wall"]), median(r["rss"])
-        print(f"{method:10s} {wall:8.1f} {wall / linear_wall:9.2f} {rss:12.0f} {rss / linear_rss:9.2f}")
+        print(f"{method:16s} {wall:8.1f} {wall / linear_wall:9.2f} {rss:12.0f} {rss / linear_rss:9.2f}")
     if not solves:
         return
     seconds, flops = median([s for s, _ in solves]), median([f for _, f in solves])
