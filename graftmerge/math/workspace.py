@@ -4,7 +4,8 @@ Why: on the CPU a freshly allocated tensor is paid for again at its first touch 
 faults in and zeroes every page; on a VM measured 5-10x slower than writing the same
 tensor again). A merge that allocates its sums, its dtype conversions and its cache reads
 anew for every tensor pays that on every byte; one that reuses them pays it once per slot.
-Memory is unchanged in the worst case: each slot holds what the largest tensor needed anyway.
+The price: each slot keeps the largest tensor's size for the whole merge, so peak memory
+grows somewhat (a 0.6B fisher merge: +12 % peak RSS, docs/performance.md).
 """
 
 from __future__ import annotations
