@@ -1,8 +1,8 @@
 """scripts/smollm2_precondition.py on a tiny random Llama: end to end, the share against brute force,
 the two fine-tunes' identical data, a resumed run, and bad input refused in one line.
 
-The real SmolLM2 measurement takes hours of CPU and is run by hand; these check that what it
-would report is what it claims to report.
+The real SmolLM2 measurement (11 min on 2 cores) is run by hand; these check that what it reports
+is what it claims to report, and that docs/smollm2-precondition.md quotes the recorded run.
 """
 
 from __future__ import annotations
@@ -214,3 +214,34 @@ def test_exact_counts_the_answer_through_the_end_of_turn_only() -> None:
     assert not second["exact"] and second["token_accuracy"] == 0.5
     everything = completion_scores(logits, batch, eos_id=None)
     assert not everything[0]["exact"] and everything[0]["token_accuracy"] == pytest.approx(2 / 3)
+
+
+RECORD = ROOT / "docs" / "results" / "smollm2-precondition.json"
+PAGE = ROOT / "docs" / "smollm2-precondition.md"
+
+
+def test_the_recorded_run_is_consistent_and_the_page_quotes_it(script_main) -> None:
+    """The recorded JSON's paired test follows from its own per-seed shares (recomputed here), both
+    fine-tunes saw the same batches, and the page shows the run's own table and its interval."""
+    import types
+
+    results = json.loads(RECORD.read_text())
+    seeds = results["per_seed"]
+    assert results["settings"]["tiny"] is False and [s["seed"] for s in seeds] == [0, 1, 2]
+    differences = [s["sft"]["global_top_share"] - s["donor"]["global_top_share"] for s in seeds]
+    assert differences == [s["difference"] for s in seeds]
+    assert all(s["same_batches"] and s["donor"]["batch_sha256"] == s["sft"]["batch_sha256"] for s in seeds)
+    again = paired_t(differences)
+    recorded = results["paired_sft_minus_donor"]
+    for field in ("mean", "sd", "t", "p", "low", "high", "n"):
+        assert math.isclose(getattr(again, field), recorded[field], rel_tol=1e-12), field
+    mean = sum(differences) / 3
+    half = 4.302652729911275 * math.sqrt(sum((d - mean) ** 2 for d in differences) / 2 / 3)  # t(0.975, 2)
+    assert math.isclose(recorded["low"], mean - half, rel_tol=1e-9) and recorded["high"] < 0
+    paired = types.SimpleNamespace(**{k: recorded[k] for k in ("mean", "low", "high", "p", "n", "confidence",
+                                                               "verdict")})
+    table = script_main.__globals__["_table"](seeds, paired)
+    page = PAGE.read_text()
+    assert table in page and table in (ROOT / "docs" / "results" / "smollm2-precondition-output.txt").read_text()
+    assert f"{recorded['mean']:.4f}, 95 % interval [{recorded['low']:.4f}, {recorded['high']:.4f}]".replace(
+        "-", "−") in page
