@@ -1,8 +1,10 @@
-"""Reused scratch buffers: the Fisher average with a workspace equals the float64 formula, and cache reads
-into a buffer equal ordinary reads; buffers are reused, grown and kept apart per thread."""
+"""The fisher merge's span-by-span path: reused scratch buffers (reused, grown, kept apart per thread),
+cache reads span by span equal to ordinary reads and value-checked as they are, and merges over any
+span length equal to the whole-tensor average and to the float64 formula."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -13,6 +15,9 @@ from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
 from graftmerge.math.fisher_average import FisherAverage
 from graftmerge.math.workspace import Workspace
+from graftmerge.pipeline.data_aware_merge import in_memory_run, merge_tensor
+from tests.helpers.data_aware import make_models, write_both_cache
+from tests.helpers.models import read_model
 
 
 def test_a_slot_is_reused_grown_and_per_thread() -> None:
@@ -74,28 +79,106 @@ def diagonal_cache(tmp_path, tied_models):
     return tmp_path / "c", tensors
 
 
-def test_a_diagonal_read_into_a_buffer_equals_the_ordinary_read(diagonal_cache) -> None:
+def test_spans_of_a_diagonal_equal_slices_of_the_ordinary_read(diagonal_cache) -> None:
+    """Every span, at any start and length (the first, a middle, the last, empty), is the flattened
+    ordinary read's slice, read into the caller's buffer."""
     path, tensors = diagonal_cache
-    cache, workspace = open_fisher_cache(path), Workspace()
+    cache = open_fisher_cache(path)
     for name, tensor in tensors.items():
-        out = workspace.take("fisher", tensor.shape, torch.float32).fill_(float("nan"))
-        assert cache.diagonal(name, out=out) is out
-        assert torch.equal(out, tensor) and torch.equal(out, cache.diagonal(name))
-    name = next(iter(tensors))
-    with pytest.raises(ValueError, match="contiguous float32 tensor of shape"):
-        cache.diagonal(name, out=torch.empty(tensors[name].shape, dtype=torch.float64))
+        flat = tensor.reshape(-1)
+        with cache.diagonal_spans(name) as spans:
+            assert spans.numel == flat.numel()
+            for start, stop in [(0, flat.numel()), (0, 1), (flat.numel() // 3, flat.numel() // 2 + 1),
+                                (flat.numel() - 1, flat.numel()), (flat.numel(), flat.numel())]:
+                out = torch.full((stop - start,), float("nan"))
+                assert spans.read(start, out) is out
+                assert torch.equal(out, flat[start:stop]), (name, start, stop)
+            with pytest.raises(ValueError, match="outside"):
+                spans.read(flat.numel() - 1, torch.empty(2))
+            with pytest.raises(ValueError, match="1-D contiguous float32"):
+                spans.read(0, torch.empty(1, dtype=torch.float64))
 
 
-def test_a_bad_value_read_into_a_buffer_is_still_refused(diagonal_cache) -> None:
-    """What the buffer receives is checked as an ordinary read is: a NaN written into the file is refused."""
+def test_spans_of_a_cache_stored_in_another_dtype_are_converted(tmp_path, tied_models) -> None:
+    """A cache whose diagonal is stored in bfloat16 (not float32 bytes to read in place) still reads by span."""
+    post = Checkpoint(tied_models["post"])
+    name, info = max(post.tensors.items(), key=lambda item: item[1].numel)
+    tensor = torch.rand(info.shape).to(torch.bfloat16)
+    with FisherCacheWriter(tmp_path / "c", model=tied_models["post"]) as writer:
+        writer.add_diagonal(name, tensor)
+    cache = open_fisher_cache(tmp_path / "c")
+    with cache.diagonal_spans(name) as spans:
+        out = torch.empty(5)
+        assert torch.equal(spans.read(3, out), tensor.float().reshape(-1)[3:8])
+
+
+def corrupt(cache, name: str, position: int, data: bytes) -> None:
+    """Overwrite bytes of ``name``'s stored diagonal at element ``position`` (same size: the file's identity
+    check is not what catches it)."""
+    key = cache.entries[name]["diagonal"]["key"]
+    layout = cache._layouts[cache._files[key]]
+    begin, _ = layout.offsets[key]
+    with open(layout.file, "r+b") as handle:
+        handle.seek(layout.data_start + begin + 4 * position)
+        handle.write(data)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_a_bad_value_in_a_span_is_refused_naming_the_cache_and_tensor(diagonal_cache, value) -> None:
+    """What the buffer receives is checked as an ordinary read is; the spans before the bad one read fine."""
+    path, tensors = diagonal_cache
+    cache = open_fisher_cache(path)
+    name = max(tensors, key=lambda n: tensors[n].numel())
+    corrupt(cache, name, 100, torch.tensor([value], dtype=torch.float32).numpy().tobytes())
+    with cache.diagonal_spans(name) as spans:
+        spans.read(0, torch.empty(100))
+        with pytest.raises(GraftError, match=f"Fisher cache {path}.*{name}.*(NaN or Inf|negative)"):
+            spans.read(96, torch.empty(8))
+
+
+def test_a_file_truncated_after_opening_is_a_clear_error(diagonal_cache) -> None:
     path, tensors = diagonal_cache
     cache = open_fisher_cache(path)
     name = max(tensors, key=lambda n: tensors[n].numel())
     key = cache.entries[name]["diagonal"]["key"]
     layout = cache._layouts[cache._files[key]]
-    begin, _ = layout.offsets[key]
-    with open(layout.file, "r+b") as handle:  # same size: the file's identity check is not what catches it
-        handle.seek(layout.data_start + begin)
-        handle.write(torch.tensor([float("nan")], dtype=torch.float32).numpy().tobytes())
-    with pytest.raises(GraftError, match=f"{name}.*contains NaN or Inf"):
-        cache.diagonal(name, out=torch.empty(tensors[name].shape))
+    begin, end = layout.offsets[key]
+    with cache.diagonal_spans(name) as spans:
+        os.truncate(layout.file, layout.data_start + begin + (end - begin) // 2)
+        with pytest.raises(GraftError, match="file ends before the tensor's bytes"):
+            spans.read(0, torch.empty(spans.numel))
+
+
+@pytest.mark.parametrize("span", [48, 1 << 18])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_fisher_merge_span_by_span_is_the_formula(tmp_path, span: int, dtype) -> None:
+    """merge_tensor with spans that split the tensors (48: no tensor's size is a multiple) or none: the same
+    result bit for bit, equal to the float64 formula, with one input's Fisher zero on half of every tensor."""
+    models = make_models(tmp_path, "llama-untied")
+    caches = []
+    for index, model in enumerate(models):
+        caches.append(tmp_path / f"fisher{index}")
+        write_both_cache(caches[-1], model, seed=100 + index, zero=zero_first_half if index == 0 else None,
+                         only_diagonal=True)
+    states = [read_model(model) for model in models]
+    ids, weights = ["a", "b", "c"], [1.0, 2.0, 0.5]
+    tensors = {name: [state[name].to(dtype) for state in states] for name in states[0]}
+    run = in_memory_run("fisher", ids, tensors, {name: dtype for name in tensors},
+                        {"fisher": dict(zip(ids, map(str, caches))), "weight": dict(zip(ids, weights))})
+    run.span = span
+    for name, group in tensors.items():
+        fishers = [open_fisher_cache(cache).diagonal(name) for cache in caches]
+        got = merge_tensor(run, name, group)
+        assert got.dtype == dtype and got.shape == group[0].shape
+        reference = FisherAverage(run.plan.epsilon, torch.promote_types(dtype, torch.float32))
+        for tensor, fisher, weight in zip(group, fishers, weights):
+            reference.add(tensor, fisher.clone(), weight)
+        assert torch.equal(got, reference.result().to(dtype)), name
+        exact = brute_force(group, fishers, weights, run.plan.epsilon)
+        tolerance = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+        assert torch.allclose(got.double(), exact, rtol=tolerance, atol=tolerance * 1e-1), name
+
+
+def zero_first_half(name: str, diagonal: torch.Tensor) -> torch.Tensor:
+    diagonal.reshape(-1)[: diagonal.numel() // 2] = 0
+    return diagonal

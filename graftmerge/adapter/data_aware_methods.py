@@ -32,12 +32,7 @@ from mergekit.merge_methods.base import (
 
 from graftmerge.adapter.active_runs import ActiveRuns
 from graftmerge.errors import GraftError
-from graftmerge.pipeline.data_aware_merge import (
-    DataAwareRun,
-    in_memory_run,
-    merge_tensor,
-    run_data_aware_merge,
-)
+from graftmerge.pipeline import data_aware_merge  # as a module: importing it first imports mergekit, then us
 from graftmerge.pipeline.data_aware_plan import DEFAULT_ALPHA, DEFAULT_EPSILON, METHODS
 
 RUN_PARAMETER = "data_aware_run"
@@ -45,15 +40,15 @@ REFERENCES = {"fisher": "https://arxiv.org/abs/2111.09832", "regmean": "https://
 
 # The fisher/regmean merges running in this process, by id, each for exactly as long as its
 # mergekit call runs (the same arrangement as graft's runs: mergekit's tasks carry only parameters).
-_ACTIVE_RUNS: ActiveRuns[DataAwareRun] = ActiveRuns("data-aware")
+_ACTIVE_RUNS: ActiveRuns[data_aware_merge.DataAwareRun] = ActiveRuns("data-aware")
 
 
-def registered_run(run: DataAwareRun) -> contextlib.AbstractContextManager[str]:
+def registered_run(run: data_aware_merge.DataAwareRun) -> contextlib.AbstractContextManager[str]:
     """``run`` findable by the id this yields, until the block ends, however it ends."""
     return _ACTIVE_RUNS.registered(run, kind=run.plan.method)
 
 
-def find_run(run_id: str | None, method: str) -> DataAwareRun:
+def find_run(run_id: str | None, method: str) -> data_aware_merge.DataAwareRun:
     """The run registered under ``run_id``; GraftError when there is none."""
     run = _ACTIVE_RUNS.find(run_id)
     if run is None:
@@ -97,7 +92,7 @@ class DataAwareMergeMethod(GroupMergeMethod):
         if len(ordered) != len(run.plan.inputs):
             raise GraftError(f"tensor {group.metadata.name!r}: {self.spec.name} was handed {len(ordered)} inputs; "
                              f"its config has {len(run.plan.inputs)}")
-        return merge_tensor(run, group.metadata.name, [entry.tensor for entry in ordered])
+        return data_aware_merge.merge_tensor(run, group.metadata.name, [entry.tensor for entry in ordered])
 
     def _execute(self, groups, parameters, options, *, input_dtypes, out_dtype=None):
         """Model folders (mergekit's graph) run with the run their merge registered; in-memory inputs
@@ -113,7 +108,7 @@ class DataAwareMergeMethod(GroupMergeMethod):
             return super()._execute(groups, bound, options, input_dtypes=input_dtypes, out_dtype=out_dtype)
 
 
-def _in_memory_run(method: str, groups, parameters, input_dtypes) -> DataAwareRun:
+def _in_memory_run(method: str, groups, parameters, input_dtypes) -> data_aware_merge.DataAwareRun:
     """The run of in-memory tensor groups that share their inputs' ids and parameters."""
     ids = [entry.id for entry in groups[0].entries]
     names = [group.metadata.name for group in groups]
@@ -129,7 +124,7 @@ def _in_memory_run(method: str, groups, parameters, input_dtypes) -> DataAwareRu
         raise GraftError(f"{method} parameter {RUN_PARAMETER} is set by graftmerge itself, not by a caller")
     tensors = {group.metadata.name: [entry.tensor for entry in group.entries] for group in groups}
     dtypes = {name: dtype or group.entries[0].tensor.dtype for name, group, dtype in zip(names, groups, input_dtypes)}
-    return in_memory_run(method, ids, tensors, dtypes, shared)
+    return data_aware_merge.in_memory_run(method, ids, tensors, dtypes, shared)
 
 
 data_aware_methods = {method: DataAwareMergeMethod(method) for method in METHODS}
@@ -143,7 +138,8 @@ def register_data_aware(registry_module: ModuleType = mergekit_registry) -> None
             registry_module.register(method)
 
 
-def run_mergekit(original: Callable, run: DataAwareRun, config, out_path: str, options, config_source=None):
+def run_mergekit(original: Callable, run: data_aware_merge.DataAwareRun, config, out_path: str, options,
+                 config_source=None):
     """mergekit's own ``run_merge`` on ``config`` for ``run``, findable by its tasks meanwhile."""
     return _ACTIVE_RUNS.run_merge(original, run, RUN_PARAMETER, config, out_path, options, config_source,
                                   kind=run.plan.method)
@@ -159,8 +155,8 @@ def wrap_run_merge(merge_module) -> None:
         """mergekit's run_merge; fisher and regmean configs checked first (docstring: the original's)."""
         if merge_config.merge_method not in METHODS:
             return original(merge_config, out_path, options=options, config_source=config_source)
-        return run_data_aware_merge(functools.partial(run_mergekit, original), merge_config, out_path, options,
-                                    config_source, run_parameter=RUN_PARAMETER)
+        return data_aware_merge.run_data_aware_merge(functools.partial(run_mergekit, original), merge_config,
+                                                     out_path, options, config_source, run_parameter=RUN_PARAMETER)
 
     run_merge.__doc__ = original.__doc__
     run_merge._graftmerge_wrapped = getattr(original, "_graftmerge_wrapped", False)  # graft's own mark, kept

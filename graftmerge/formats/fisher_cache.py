@@ -21,6 +21,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,46 @@ def _check_values(tensor: torch.Tensor, where: str) -> None:
         raise GraftError(f"{where} contains NaN or Inf")
     if low < 0:
         raise GraftError(f"{where} contains negative entries (min {low:.3g})")
+
+
+class DiagonalSpans:
+    """One weight's diagonal Fisher, read span by span (flattened order) into buffers the caller reuses.
+
+    Why: a merge that walks a tensor in cache-sized spans keeps its arithmetic in the CPU's
+    cache instead of streaming every whole-tensor pass through memory, and a reused buffer
+    costs no page faults. float32 bytes are read from the file straight into the buffer
+    (``preadv``, safe from several threads); any other stored dtype is converted once.
+    Every span is value-checked as a whole read is.
+    """
+
+    def __init__(self, where: str, *, whole: torch.Tensor | None = None, descriptor: int | None = None,
+                 offset: int = 0, size: int = 0):
+        self.where = where
+        self._whole = whole
+        self._descriptor = descriptor
+        self._offset = offset
+        self.numel = whole.numel() if whole is not None else size
+
+    def read(self, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``start : start + out.numel()`` into ``out`` (1-D, contiguous, float32); returns ``out``."""
+        count = out.numel()
+        if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
+            raise ValueError("out must be a 1-D contiguous float32 tensor")
+        if start < 0 or start + count > self.numel:
+            raise ValueError(f"span {start}:{start + count} is outside the {self.numel} elements")
+        if self._whole is not None:
+            out.copy_(self._whole[start : start + count])
+        elif count:
+            target = memoryview(out.numpy()).cast("B")
+            done, position = 0, self._offset + 4 * start
+            while done < 4 * count:  # one read(2) returns at most ~2 GiB
+                got = os.preadv(self._descriptor, [target[done:]], position + done)
+                if not got:
+                    raise GraftError(f"{self.where}: the file ends before the tensor's bytes "
+                                     "(truncated since it was opened?)")
+                done += got
+        _check_values(out, self.where)
+        return out
 
 
 class FisherCacheWriter:
@@ -470,41 +512,32 @@ class FisherCache:
             tensor = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0] : rows[1]]
         return tensor.to(torch.float32)
 
-    def diagonal(self, name: str, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-        """The diagonal Fisher of weight ``name`` (float32, shaped like it; or rows ``start:stop``), value-checked.
-
-        ``out`` (float32, contiguous, the whole weight's shape): read into it instead of a new
-        tensor, straight from the file when the cache stores float32 (a reused buffer costs no
-        page faults; see :mod:`graftmerge.math.workspace`).
-        """
+    def diagonal(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The diagonal Fisher of weight ``name`` (float32, shaped like it; or rows ``start:stop``), value-checked."""
         if not self.has(name, "diagonal"):
             raise GraftError(f"Fisher cache {self.path} has no diagonal entry for {name!r}")
         key = self.entries[name]["diagonal"]["key"]
-        tensor = self._read(key, rows) if out is None or rows is not None else self._read_into(key, out)
+        tensor = self._read(key, rows)
         _check_values(tensor, self._where(key, f"diagonal of {name!r}"))
         return tensor
 
-    def _read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
-        """Stored tensor ``key`` into ``out``: the float32 bytes read in place, any other dtype converted."""
+    @contextmanager
+    def diagonal_spans(self, name: str) -> Iterator[DiagonalSpans]:
+        """Weight ``name``'s diagonal Fisher, readable span by span into the caller's buffers (see DiagonalSpans)."""
+        if not self.has(name, "diagonal"):
+            raise GraftError(f"Fisher cache {self.path} has no diagonal entry for {name!r}")
+        key = self.entries[name]["diagonal"]["key"]
         layout = self._layouts[self._files[key]]
-        info = layout.tensors[key]
-        if tuple(out.shape) != tuple(info.shape) or out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(info.shape)}")
-        if info.dtype != "F32" or sys.byteorder != "little" or out.numel() == 0:
-            return out.copy_(self._read(key))
+        where = self._where(key, f"diagonal of {name!r}")
+        if layout.tensors[key].dtype != "F32" or sys.byteorder != "little":
+            yield DiagonalSpans(where, whole=self._read(key).reshape(-1))  # converted once, spans sliced from it
+            return
         begin, end = layout.offsets[key]
-        target = memoryview(out.numpy()).cast("B")
-        with open(layout.file, "rb", buffering=0) as handle:
-            handle.seek(layout.data_start + begin)
-            done = 0
-            while done < end - begin:  # one read(2) returns at most ~2 GiB
-                count = handle.readinto(target[done:])
-                if not count:
-                    raise GraftError(f"{self._where(key, 'diagonal')}: the file ends before the tensor's bytes "
-                                     "(truncated since it was opened?)")
-                done += count
-        return out
+        descriptor = os.open(layout.file, os.O_RDONLY)
+        try:
+            yield DiagonalSpans(where, descriptor=descriptor, offset=layout.data_start + begin, size=(end - begin) // 4)
+        finally:
+            os.close(descriptor)
 
     def _where(self, key: str, what: str) -> str:
         """How messages name one stored tensor: the cache, the tensor key, its shard, what it is."""

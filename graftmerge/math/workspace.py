@@ -4,8 +4,8 @@ Why: on the CPU a freshly allocated tensor is paid for again at its first touch 
 faults in and zeroes every page; on a VM measured 5-10x slower than writing the same
 tensor again). A merge that allocates its sums, its dtype conversions and its cache reads
 anew for every tensor pays that on every byte; one that reuses them pays it once per slot.
-The price: each slot keeps the largest tensor's size for the whole merge, so peak memory
-grows somewhat (a 0.6B fisher merge: +12 % peak RSS, docs/performance.md).
+A slot keeps its largest request's size for the whole merge: fisher asks only for one
+span's buffers (1 MiB each), so this costs nothing measurable.
 """
 
 from __future__ import annotations

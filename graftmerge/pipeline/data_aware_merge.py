@@ -16,6 +16,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +61,8 @@ class DataAwareRun:
     solve_seconds: float = 0.0  # regmean: time in the Gram solves
     solve_flops: float = 0.0  # regmean: their floating-point operations
     _factor: tuple | None = None  # regmean: (factor keys, Cholesky of Σ G̃) of the last weight, for q/k/v sharing it
-    workspace: Workspace = field(default_factory=Workspace)  # fisher: cache reads and sums in reused buffers
+    workspace: Workspace = field(default_factory=Workspace)  # fisher: one span's cache reads and sums, reused
+    span: int = 1 << 18  # fisher: elements per span (1 MiB of float32: a span's buffers stay in the CPU's cache)
 
     def check_unchanged(self) -> None:
         """GraftError when a model or cache file changed since it was opened."""
@@ -141,7 +143,7 @@ def merge_tensor(run: DataAwareRun, name: str, tensors: Sequence[torch.Tensor]) 
         else:
             merged = weighted_average(list(tensors), run.plan.weights, work)
     run.counts["fisher" if rule == "fisher" else "regmean" if rule else "average"] += 1
-    result = merged.to(tensors[0].dtype, copy=rule == "fisher")  # fisher's sums are the workspace's: copy out
+    result = merged.to(tensors[0].dtype)
     if not fits(result, run.out_dtype):
         raise GraftError(f"tensor {name!r}: the {run.plan.method} merge is not finite"
                          f"{' in ' + str(run.out_dtype).removeprefix('torch.') if run.out_dtype else ''} "
@@ -150,15 +152,24 @@ def merge_tensor(run: DataAwareRun, name: str, tensors: Sequence[torch.Tensor]) 
 
 
 def _fisher(run: DataAwareRun, name: str, tensors: Sequence[torch.Tensor], work: torch.dtype) -> torch.Tensor:
-    on_cpu = all(tensor.device.type == "cpu" for tensor in tensors)  # the workspace's buffers are host memory
-    average = FisherAverage(run.plan.epsilon, work, run.workspace if on_cpu else None)
-    for tensor, cache, weight in zip(tensors, run.caches, run.plan.weights):
-        if on_cpu:
-            fisher = cache.diagonal(name, out=run.workspace.take("fisher", tensor.shape, torch.float32))
-        else:
-            fisher = cache.diagonal(name).to(tensor.device)
-        average.add(tensor, fisher, weight)
-    return average.result()
+    """A new tensor; on the CPU computed span by span, so that every pass runs in the CPU's cache."""
+    if not all(tensor.device.type == "cpu" for tensor in tensors):  # the workspace's buffers are host memory
+        average = FisherAverage(run.plan.epsilon, work)
+        for tensor, cache, weight in zip(tensors, run.caches, run.plan.weights):
+            average.add(tensor, cache.diagonal(name).to(tensor.device), weight)
+        return average.result()
+    flat = [tensor.reshape(-1) for tensor in tensors]  # views of contiguous inputs
+    merged = torch.empty(flat[0].numel(), dtype=tensors[0].dtype)
+    with ExitStack() as stack:
+        spans = [stack.enter_context(cache.diagonal_spans(name)) for cache in run.caches]
+        for start in range(0, merged.numel(), run.span):
+            stop = min(start + run.span, merged.numel())
+            average = FisherAverage(run.plan.epsilon, work, run.workspace)
+            for values, fisher, weight in zip(flat, spans, run.plan.weights):
+                buffer = run.workspace.take("fisher", (stop - start,), torch.float32)
+                average.add(values[start:stop], fisher.read(start, buffer), weight)
+            merged[start:stop] = average.result()
+    return merged.view(tensors[0].shape)
 
 
 def _regmean(run: DataAwareRun, name: str, tensors: Sequence[torch.Tensor], side: str) -> torch.Tensor:
