@@ -11,10 +11,11 @@ diagonal output side and a full input side (a random orthonormal basis per input
 fresh eigenvalues per layer and model; q/k/v and gate/up share theirs, as real caches do).
 
     python benchmarks/bench_data_aware_merge.py --workdir bench-data-aware [--repeats 1] [--small]
-        [--methods linear,fisher] [--fisher-from OLD_CHECKOUT]
+        [--methods linear,fisher] [--compare-with OLD_CHECKOUT]
 
---fisher-from times the fisher merge once more per repeat with graftmerge imported from
-another checkout (e.g. a `git worktree` of an earlier commit): a before/after in one run.
+--compare-with (formerly --fisher-from) times each data-aware merge once more per repeat with
+graftmerge imported from another checkout (e.g. a `git worktree` of an earlier commit): a
+before/after in one run.
 """
 
 from __future__ import annotations
@@ -144,14 +145,16 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a 4-layer, 32k-vocab model for a quick look")
     parser.add_argument("--methods", default="linear,fisher,regmean",
                         help="which merges to time (linear always, as the peer): e.g. linear,fisher")
-    parser.add_argument("--fisher-from", type=Path, help="also time fisher with graftmerge from this checkout")
+    parser.add_argument("--compare-with", "--fisher-from", dest="compare_with", type=Path, metavar="CHECKOUT",
+                        help="also time each data-aware method (fisher, regmean) with graftmerge from this checkout")
     args = parser.parse_args()
     methods = ["linear"] + [m for m in ("fisher", "regmean") if m in args.methods.split(",")]
     sources: dict[str, Path | None] = {m: None for m in methods}
-    if args.fisher_from is not None:
-        if not (args.fisher_from / "graftmerge" / "__init__.py").is_file():
-            parser.error(f"--fisher-from {args.fisher_from}: no graftmerge package there")
-        sources[f"fisher@{args.fisher_from.name}"] = args.fisher_from
+    if args.compare_with is not None:
+        if not (args.compare_with / "graftmerge" / "__init__.py").is_file():
+            parser.error(f"--compare-with {args.compare_with}: no graftmerge package there")
+        for method in methods[1:]:
+            sources[f"{method}@{args.compare_with.name}"] = args.compare_with
     config = qwen3_config(**(dict(num_hidden_layers=4, vocab_size=32768) if args.small else {}))
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(f"building inputs in {args.workdir} ...", flush=True)
@@ -165,7 +168,7 @@ def main() -> None:
             wall, rss, stderr = timed_merge(args.workdir, method.split("@")[0], sources[method])
             results[method]["wall"].append(wall)
             results[method]["rss"].append(rss)
-            if method == "regmean":
+            if method == "regmean":  # this checkout's: the solve report of the one measured against FLOPs
                 solves.append(solve_report(stderr))
             print(f"  run {repeat + 1} {method:14s} {wall:7.1f} s  {rss:8.0f} MB", flush=True)
         rates.append(float64_rate())

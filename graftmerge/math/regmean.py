@@ -85,6 +85,24 @@ def cholesky(total: torch.Tensor, where: str) -> torch.Tensor:
     return factor
 
 
+CLEARLY_DEFINITE = 1e-9  # the cheap bound must clear SINGULAR_RCOND by this much more (Cholesky's rounding: ~d·ε)
+
+
+def clearly_positive_definite(diagonals: list[torch.Tensor], scales: list[float], alpha: float) -> bool:
+    """Whether Σ c_i G̃_i certainly passes :func:`cholesky`, from the Grams' diagonals alone (O(d), no d³ work).
+
+    Each G_i is positive semi-definite (non-negative eigenvalues), so for α < 1
+    λ_min(Σ c G̃) ≥ (1 − α)·min_j (Σ c diag G)_j, and every Cholesky pivot² is at least λ_min.
+    True when that bound clears the singularity threshold with room for rounding; False says
+    only "not certain": the caller then factors Σ G̃ to decide.
+    """
+    if alpha >= 1 or not diagonals:
+        return False
+    summed = sum(scale * diagonal.to(torch.float64) for diagonal, scale in zip(diagonals, scales))
+    largest = float(summed.max())
+    return largest > 0 and (1 - alpha) * float(summed.min()) >= CLEARLY_DEFINITE * largest
+
+
 def regmean_solve(weights: list[torch.Tensor], sides: list[GramSide], scales: list[float], alpha: float,
                   where: str = "regmean") -> torch.Tensor:
     """Wᵀ = (Σ c_i G̃_i)⁻¹ Σ c_i G̃_i W_iᵀ for input-first weights W_iᵀ (in × out), in float64.

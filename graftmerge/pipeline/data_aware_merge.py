@@ -28,7 +28,7 @@ from graftmerge.formats.fisher_cache import FisherCache, side_rank
 from graftmerge.formats.output_folder import MERGE, OutputFolder, stage_reached
 from graftmerge.math.finite import fits
 from graftmerge.math.fisher_average import FisherAverage, weighted_average
-from graftmerge.math.regmean import RegMeanSums, cholesky
+from graftmerge.math.regmean import RegMeanSums, cholesky, clearly_positive_definite, gram_diagonal
 from graftmerge.math.workspace import Workspace
 from graftmerge.pipeline import merge_cards  # as a module: it imports mergekit's registry, whose hook imports us
 from graftmerge.pipeline.data_aware_plan import (
@@ -198,17 +198,22 @@ def _regmean(run: DataAwareRun, name: str, tensors: Sequence[torch.Tensor], side
 
 def check_gram_sums(plan: DataAwarePlan, caches: Sequence[FisherCache], weighted: Mapping[str, str]) -> None:
     """Every Σ G̃ the merge will solve with is positive definite: a singular one is refused before the first
-    tensor, not when its weight comes. One Gram sum and Cholesky per distinct set of factors (q/k/v and gate/up
-    share theirs), one at a time: the merge's Gram work once more, none of its products."""
+    tensor, not when its weight comes. Once per distinct set of factors (q/k/v and gate/up share theirs):
+    for α < 1 usually settled from the Grams' diagonals alone (``clearly_positive_definite``); otherwise
+    by summing the Grams and factoring them, one set at a time (the merge's Gram work once more)."""
     seen = set()
     for name, side in sorted(weighted.items()):
         keys = tuple(cache.entries[name]["kfac"][side] for cache in caches)
         if keys in seen:
             continue
         seen.add(keys)
+        spectra = [cache.side_spectrum(key, name) for cache, key in zip(caches, keys)]
+        if clearly_positive_definite([gram_diagonal(spectrum) for spectrum in spectra], plan.weights, plan.alpha):
+            continue
         sums = RegMeanSums(plan.alpha)
-        for cache, key, weight in zip(caches, keys, plan.weights):
-            sums.add_gram(cache.side_spectrum(key, name), weight)
+        for spectrum, weight in zip(spectra, plan.weights):
+            sums.add_gram(spectrum, weight)
+        del spectra
         cholesky(sums.total, f"regmean: linear weight {name!r}")
 
 
