@@ -514,19 +514,20 @@ class FisherCache:
 
     def diagonal(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The diagonal Fisher of weight ``name`` (float32, shaped like it; or rows ``start:stop``), value-checked."""
-        if not self.has(name, "diagonal"):
-            raise GraftError(f"Fisher cache {self.path} has no diagonal entry for {name!r}")
-        key = self.entries[name]["diagonal"]["key"]
+        key = self._diagonal_key(name)
         tensor = self._read(key, rows)
         _check_values(tensor, self._where(key, f"diagonal of {name!r}"))
         return tensor
 
+    def _diagonal_key(self, name: str) -> str:
+        if not self.has(name, "diagonal"):
+            raise GraftError(f"Fisher cache {self.path} has no diagonal entry for {name!r}")
+        return self.entries[name]["diagonal"]["key"]
+
     @contextmanager
     def diagonal_spans(self, name: str) -> Iterator[DiagonalSpans]:
         """Weight ``name``'s diagonal Fisher, readable span by span into the caller's buffers (see DiagonalSpans)."""
-        if not self.has(name, "diagonal"):
-            raise GraftError(f"Fisher cache {self.path} has no diagonal entry for {name!r}")
-        key = self.entries[name]["diagonal"]["key"]
+        key = self._diagonal_key(name)
         layout = self._layouts[self._files[key]]
         where = self._where(key, f"diagonal of {name!r}")
         if layout.tensors[key].dtype != "F32" or sys.byteorder != "little":
