@@ -182,3 +182,11 @@ def test_a_fisher_merge_span_by_span_is_the_formula(tmp_path, span: int, dtype) 
 def zero_first_half(name: str, diagonal: torch.Tensor) -> torch.Tensor:
     diagonal.reshape(-1)[: diagonal.numel() // 2] = 0
     return diagonal
+
+
+def test_a_weight_without_a_diagonal_entry_is_one_clear_error(diagonal_cache) -> None:
+    path, _ = diagonal_cache
+    cache = open_fisher_cache(path)
+    for read in (lambda: cache.diagonal("no.such.weight"), lambda: cache.diagonal_spans("no.such.weight").__enter__()):
+        with pytest.raises(GraftError, match=f"Fisher cache {path} has no diagonal entry for 'no.such.weight'"):
+            read()
