@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import json
-import os
 import random
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +23,7 @@ from graftmerge.demo.lm_training import seed_world
 from graftmerge.demo.world import ANSWER, ASSISTANT, EOS, RELATIONS, make_splits
 from graftmerge.errors import GraftError
 from graftmerge.math.paired_tests import paired_t
+from tests.helpers.runners import load_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "reanalyse_demo.py"
@@ -160,24 +157,16 @@ def test_docs_quote_the_tables_the_code_computes(full) -> None:
     assert not missing, "docs/demo-results.md differs from scripts/reanalyse_demo.py:\n" + "\n".join(missing[:5])
 
 
-def _script(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def script_main():
     """The script's ``main``, loaded in this process (a subprocess per bad input would cost seconds each)."""
-    spec = importlib.util.spec_from_file_location("reanalyse_demo", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_script(SCRIPT).main
 
 
 def test_script_writes_tables_and_plot(tmp_path: Path) -> None:
     """The script as a user runs it: a real process on a committed run's results (3 seeds: intervals drawn)."""
     source = recorded("demo-full-results.json")
-    result = _script(str(source), "--tables", str(tmp_path / "t.md"), "--plot", str(tmp_path / "p.png"))
+    result = run_script(SCRIPT, str(source), "--tables", str(tmp_path / "t.md"), "--plot", str(tmp_path / "p.png"))
     assert result.returncode == 0, result.stderr[-2000:]
     expected = markdown_report(reanalyse(json.loads(source.read_text())))
     assert (tmp_path / "t.md").read_text() == expected and (tmp_path / "p.png").stat().st_size > 0

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +12,7 @@ from graftmerge.demo import lm_results_2
 from graftmerge.demo.lm_reanalysis import settings_from_json
 from graftmerge.demo.lm_verdict import question, summarize, verdict
 from graftmerge.math.paired_tests import holm, paired_t, tost
+from tests.helpers.runners import load_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "reanalyse_demo.py"
@@ -65,9 +62,7 @@ def test_the_results_page_quotes_the_tables_and_the_verdict(results: dict) -> No
 
 def test_script_writes_the_registration_2_page_and_figure(results: dict, tmp_path: Path) -> None:
     """A real process on the recorded run: tables equal to the module's, a figure written, nothing else left."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(SCRIPT), str(RECORD), "--tables", str(tmp_path / "t.md"), "--plot",
-                           str(tmp_path / "p.png")], capture_output=True, text=True, env=env, timeout=300)
+    done = run_script(SCRIPT, str(RECORD), "--tables", str(tmp_path / "t.md"), "--plot", str(tmp_path / "p.png"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "t.md").read_text() == lm_results_2.markdown_report(results)
     assert (tmp_path / "p.png").stat().st_size > 0
@@ -76,10 +71,7 @@ def test_script_writes_the_registration_2_page_and_figure(results: dict, tmp_pat
 
 @pytest.fixture(scope="module")
 def script_main():
-    spec = importlib.util.spec_from_file_location("reanalyse_demo", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_script(SCRIPT).main
 
 
 def test_script_refuses_an_unfinished_registration_2_run(script_main, results: dict, capsys, tmp_path: Path) -> None:

@@ -7,12 +7,8 @@ is what it claims to report, and that docs/smollm2-precondition.md quotes the re
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +27,7 @@ from graftmerge.estimate.batching import pad_batch
 from graftmerge.estimate.rollouts import Rollout
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.math.paired_tests import paired_t
+from tests.helpers.runners import load_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "smollm2_precondition.py"
@@ -40,9 +37,7 @@ SEEDS = (0, 1)
 @pytest.fixture(scope="module")
 def script_main():
     """The script's ``main`` in this process (bad inputs and the resumed run need no new process)."""
-    spec = importlib.util.spec_from_file_location("smollm2_precondition_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(SCRIPT)
     threads = torch.get_num_threads()
     yield module.main
     torch.set_num_threads(threads)  # main sets the process's torch threads
@@ -52,9 +47,7 @@ def script_main():
 def tiny_run(tmp_path_factory) -> dict:
     """The script as a user runs it, a real process, --tiny with two seeds (seconds)."""
     work = tmp_path_factory.mktemp("precondition") / "work"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--workdir", str(work), "--tiny", "--threads", "1",
-                           "--seeds", ",".join(map(str, SEEDS))], capture_output=True, text=True, env=env, timeout=300)
+    done = run_script(SCRIPT, "--workdir", str(work), "--tiny", "--threads", "1", "--seeds", ",".join(map(str, SEEDS)))
     assert done.returncode == 0, done.stderr[-3000:]
     return {"work": work, "stdout": done.stdout, "results": json.loads((work / "precondition.json").read_text())}
 

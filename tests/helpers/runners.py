@@ -5,6 +5,7 @@ processes (:func:`run_process`), ``graftmerge`` through click's runner (:func:`c
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -78,6 +79,25 @@ def run_process(*args: str, cwd: Path | None = None, env: dict[str, str] | None 
     command = [str(BIN / args[0]), *args[1:]]
     environment = None if env is None else {**os.environ, **env}
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=environment, timeout=timeout)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_script(path: Path):
+    """A script of ``scripts/`` loaded as a module in this process (its ``main`` takes argv): bad inputs
+    checked without paying a new process each."""
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A script of ``scripts/`` as a user runs it: a real process, this checkout importable, offline."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
 
 
 def mergekit_yaml_model(tmp_path: Path, config: str, name: str) -> dict[str, torch.Tensor]:
