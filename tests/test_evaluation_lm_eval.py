@@ -28,14 +28,15 @@ WORDS = ["red", "green", "blue", "fish", "city", "yes", "no", "bridge"]
 LONG = "the mayor of the town opened a new bridge over the river in the spring and then went home"
 
 
-def harness_task_yaml(task: str, data: Path) -> str:
+def harness_task_yaml(task: str, data: Path | str) -> str:
+    """A multiple-choice harness task reading ``data``/validation.jsonl and test.jsonl (``data`` may be relative)."""
     return (
         f"task: {task}\n"
         "dataset_path: json\n"
         "dataset_kwargs:\n"
         "  data_files:\n"
-        f"    validation: {data / 'validation.jsonl'}\n"
-        f"    test: {data / 'test.jsonl'}\n"
+        f"    validation: {data}/validation.jsonl\n"
+        f"    test: {data}/test.jsonl\n"
         "validation_split: validation\n"
         "test_split: test\n"
         "output_type: multiple_choice\n"
@@ -122,6 +123,37 @@ def test_no_progress_silences_the_harness_bars_and_puts_its_tqdm_back(harness_se
         bars = re.findall(r"[^\r\n]*\d+%\|", err)
         assert bool(bars) == progress, bars
     assert (lm_eval.api.task.tqdm, lm_eval.models.huggingface.tqdm) == originals
+
+
+def test_relative_data_files_are_read_from_the_tasks_files_folder_whatever_the_cwd(harness_setup, tmp_path,
+                                                                                 monkeypatch):
+    """A harness task's ``data_files: harness/validation.jsonl`` means the file next to the tasks file.
+
+    Run from an unrelated folder holding a decoy with the same relative path (documents whose
+    every answer is right), the scores are the absolute-path task's, and the working directory is back.
+    """
+    project = tmp_path / "project"
+    (project / "harness").mkdir(parents=True)
+    for split in ("validation", "test"):
+        (project / "harness" / f"{split}.jsonl").write_bytes((harness_setup["root"] / "harness" / f"{split}.jsonl")
+                                                              .read_bytes())
+    (project / "harness" / "graft_probe_rel.yaml").write_text(harness_task_yaml("graft_probe_rel", "harness"))
+    (project / "tasks.yml").write_text("tasks:\n  - name: probe\n    role: old\n"
+                                       "    lm_eval: {task: graft_probe_rel, include_path: harness}\n")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "harness").mkdir(parents=True)
+    decoy = [{"question": q, "choices": ["yes"], "gold": 0} for q in QUESTIONS]
+    for split in ("validation", "test"):
+        (elsewhere / "harness" / f"{split}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decoy))
+    monkeypatch.chdir(elsewhere)
+    evaluator = Evaluator(load_tasks(Path("..") / "project" / "tasks.yml"), harness_setup["tokenizer"],
+                          batch_size=4, progress=False)
+    assert Path.cwd() == elsewhere
+    scores = evaluator.score(harness_setup["model"], ("validation", "test"), only_present=True)
+    reference = Evaluator(load_tasks(harness_setup["root"] / "tasks.yml"), harness_setup["tokenizer"],
+                          batch_size=4, progress=False).score(harness_setup["model"], ("validation", "test"),
+                                                              only_present=True)
+    assert scores["probe"] == reference["probe"] and scores["probe"]["validation"] < 1
 
 
 def test_a_metric_the_task_does_not_report_is_refused(harness_setup, tmp_path):

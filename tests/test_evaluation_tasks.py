@@ -77,7 +77,8 @@ def test_lm_eval_entries(tmp_path):
                      "mine/t.yaml": "task: x\n"})
     (task,) = load_tasks(tmp_path / "tasks.yml").tasks
     assert task.metric == "lm_eval"
-    assert task.lm_eval == LmEvalSpec("arc_easy", "acc_norm", tmp_path / "mine", 5, 100, True)
+    assert task.lm_eval == LmEvalSpec("arc_easy", "acc_norm", tmp_path / "mine", 5, 100, True,
+                                      folder=tmp_path.resolve())
     assert task.splits == ()  # known once the harness has been asked (Evaluator)
 
 

@@ -4,7 +4,10 @@ The harness is imported only here and only when a tasks file has an ``lm_eval:``
 it is optional (``pip install graftmerge[eval]``) and takes seconds to import. A task is
 looked up in its ``include_path`` alone first (indexing the harness's ~13,000 built-in
 tasks takes tens of seconds), then among the built-in ones. Our ``validation`` split is
-the harness task's ``validation_split``, our ``test`` its ``test_split``.
+the harness task's ``validation_split``, our ``test`` its ``test_split``. The harness reads a
+task's local files (``data_files``, a ``dataset_path`` folder) relative to the working
+directory; they are loaded from the tasks file's folder, so a tasks file means the same
+from wherever it is run.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import functools
 import importlib
 import logging
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -56,6 +60,25 @@ def quiet_harness():
         yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def working_directory(folder):
+    """The block run from ``folder`` (None: where it is), the previous directory restored however it ends.
+
+    The harness hands a task's ``dataset_kwargs`` to ``datasets.load_dataset`` unchanged, which
+    reads relative paths from the working directory: loading from the tasks file's folder
+    anchors them there, as the tasks file's own ``data:`` and ``include_path`` are.
+    """
+    if folder is None:
+        yield
+        return
+    previous = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
 
 
 # The harness's modules that draw progress bars with a module-level ``tqdm`` and no switch
@@ -119,7 +142,7 @@ def find_task(task: Task):
         raise GraftError(f"{task.where}: lm-eval task {spec.task!r} does not exist (not among the harness's "
                          f"{len(manager.all_subtasks)} tasks{searched})")
     try:
-        with quiet_harness():
+        with quiet_harness(), working_directory(spec.folder):
             loaded = manager.load([spec.task])["tasks"]
     except Exception as error:  # the harness raises whatever its dataset loader raises
         raise GraftError(f"{task.where}: cannot load lm-eval task {spec.task!r}: {first_line(error)}") from error

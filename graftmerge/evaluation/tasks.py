@@ -57,6 +57,7 @@ class LmEvalSpec:
     apply_chat_template: bool = False
     higher_is_better: bool | None = None  # the harness's word, filled in by the Evaluator
     splits: tuple[str, ...] = ()  # our split names the harness task has, filled in by the Evaluator
+    folder: Path | None = None  # the tasks file's folder (absolute): relative data paths of the harness task
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,8 @@ def _parse_lm_eval(entry: dict, fail, label: str, path: Path) -> LmEvalSpec:
     chat = spec.get("apply_chat_template", False)
     if not isinstance(chat, bool):
         raise fail("lm_eval", f"{label}: lm_eval apply_chat_template must be true or false")
-    return LmEvalSpec(task, metric, include, counts["num_fewshot"], counts["limit"], chat)
+    return LmEvalSpec(task, metric, include, counts["num_fewshot"], counts["limit"], chat,
+                      folder=path.parent.resolve())
 
 
 def _read_examples(data: Path, metric: str, label: str, fail) -> tuple[Example, ...]:
