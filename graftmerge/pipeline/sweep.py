@@ -59,6 +59,7 @@ from graftmerge.errors import GraftError
 from graftmerge.formats.output_folder import EMPTY, OutputFolder, check_not_inputs
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.pipeline import schedule_binding
+from graftmerge.pipeline.config_paths import anchored_config
 from graftmerge.pipeline.graft import graft_opened
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan, plan_inputs
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
@@ -437,7 +438,9 @@ def _write_model_files(config, source: str, point: GridPoint, folder: str, out_c
     point_config = MergeConfiguration.model_validate(yaml.safe_load(point_source))
     if options.write_model_card:
         write_merge_card(folder, point_config, point_source, card_data)
-        Path(folder, "mergekit_config.yml").write_text(point_source, encoding="utf-8")
+        # local paths absolute: the folder's config reruns from any working directory (docs/paths.md)
+        anchored = yaml.safe_dump(anchored_config(yaml.safe_load(point_source)), sort_keys=False)
+        Path(folder, "mergekit_config.yml").write_text(anchored, encoding="utf-8")
     if options.copy_tokenizer:
         try:
             _copy_tokenizer(point_config, folder, options=options)
