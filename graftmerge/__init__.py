@@ -21,7 +21,7 @@ _EXPORTS = {
     # errors: every bad input, as one line
     "GraftError": "graftmerge.errors:GraftError",
     # the graft method, as mergekit sees it
-    "GraftMergeMethod": "graftmerge.adapter.merge_method:GraftMergeMethod",
+    "GraftMergeMethod": "graftmerge.methods.graft:GraftMergeMethod",
     # Fisher caches (docs/formats/fisher-cache.md)
     "FisherCacheWriter": "graftmerge.formats.fisher_cache:FisherCacheWriter",
     "FisherCache": "graftmerge.formats.fisher_cache:FisherCache",
@@ -64,13 +64,13 @@ __all__ = [
 # to _EXPORTS (tests/test_public_api.py checks it).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from graftmerge.adapter.merge_method import GraftMergeMethod
     from graftmerge.errors import GraftError
     from graftmerge.evaluation.roles import normalised, role_scores
     from graftmerge.evaluation.scoring import Evaluator, load_model_for_eval, load_tokenizer
     from graftmerge.evaluation.tasks import Task, TaskSuite, load_tasks
     from graftmerge.formats.fisher_cache import FisherCache, FisherCacheWriter, open_fisher_cache
     from graftmerge.math.kfac import KfacFactors
+    from graftmerge.methods.graft import GraftMergeMethod
     from graftmerge.pipeline.delta_extract import LoraExtraction, extract_delta, extract_lora
     from graftmerge.pipeline.delta_report import DeltaStats, compute_stats, format_table, plot_stats
     from graftmerge.pipeline.lora_inputs import lora_delta_state_dict

@@ -42,15 +42,16 @@ def test_stock_mergekit_knows_graft():
 
 def test_registering_twice_is_harmless():
     from graftmerge.adapter import import_hook
-    from graftmerge.adapter.merge_method import register_graft
+    from graftmerge.adapter.registration import register_methods
 
     import_hook.install()
     import_hook.install()
     from mergekit import merge_methods
 
-    register_graft()
-    register_graft()
-    assert [m.spec.name for m in merge_methods.registered_methods()].count("graft") == 1
+    register_methods()
+    register_methods()
+    names = [m.spec.name for m in merge_methods.registered_methods()]
+    assert [names.count(name) for name in ("graft", "fisher", "regmean")] == [1, 1, 1]
 
 
 def test_interpreter_startup_imports_nothing_heavy():

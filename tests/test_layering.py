@@ -27,12 +27,14 @@ LAYERS: list[set[str]] = [
         "errors",
         "fisher",
     },  # __init__.py (version, lazy public API), the one exception type, fisher.py (its deprecated alias)
+    {"mergekit_compat"},  # adapter/mergekit_compat.py: every contact with mergekit's internals
     {"math"},  # pure tensors in, tensors out
     {"formats"},  # files on disk: checkpoints, Fisher caches, delta folders, GGUF
     {"hub"},  # the same artifacts on the Hugging Face Hub
     {"pipeline", "estimate"},  # a graft config -> a model; rollouts -> a Fisher cache
     {"evaluation"},  # task files; a model in memory -> scores per task and role
-    {"adapter"},  # graft as a mergekit merge method, and the import hook
+    {"methods"},  # graft, fisher, regmean as mergekit merge methods, one module each
+    {"adapter"},  # their one registration with mergekit, its run_merge wrapped once, and the import hook
     {"testing"},  # generated test models and the SmolLM2 fixture
     {"demo"},  # the demos, built on everything below
     {"cli"},  # click commands; graftmerge/__main__.py (python -m graftmerge) belongs here
@@ -47,8 +49,15 @@ def layer_of(package: str) -> int:
     raise AssertionError(f"graftmerge/{package} is in no layer: add it to LAYERS and docs/architecture.md")
 
 
+# A module with a layer of its own, below its package's: the one contact with mergekit's internals
+# imports only mergekit and errors, and everything that needs one of those internals imports it.
+OWN_LAYER = {"graftmerge.adapter.mergekit_compat": "mergekit_compat"}
+
+
 def package_of(module: str) -> str:
     """``graftmerge.formats.checkpoint`` -> ``formats``; ``graftmerge`` -> ``""``."""
+    if module in OWN_LAYER:
+        return OWN_LAYER[module]
     parts = module.split(".")
     if parts[1:] == ["__main__"]:
         return "cli"
@@ -197,6 +206,31 @@ def test_no_private_names_from_other_packages():
     assert not wrong, "private names used across packages:\n" + "\n".join(wrong)
 
 
+MERGEKIT_INTERNALS = {"_execute", "_write_shard_task", "_copy_tokenizer", "_copy_tagalong_files", "_model_out_config",
+                      "_METHODS"}  # what only adapter/mergekit_compat.py touches, with LoaderCache().loaders
+
+
+def test_only_the_compat_module_touches_mergekit_internals():
+    """No private mergekit name imported, overridden or called, and mergekit's loader cache not filled, anywhere but
+    adapter/mergekit_compat.py (tests/test_mergekit_compat.py holds each against the pinned mergekit)."""
+    wrong = []
+    for module, path in MODULES.items():
+        if module in OWN_LAYER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mergekit":
+                names = [a.name for a in node.names if a.name.startswith("_") or a.name in MERGEKIT_INTERNALS]
+            elif isinstance(node, ast.Attribute) and node.attr == "loaders" and callee_name(node.value) == "LoaderCache":
+                names = ["LoaderCache().loaders"]
+            elif isinstance(node, ast.FunctionDef | ast.Attribute | ast.Name):
+                names = [n for n in [getattr(node, "name", None) or getattr(node, "attr", None)
+                                     or getattr(node, "id", None)] if n in MERGEKIT_INTERNALS]
+            else:
+                continue
+            wrong += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {name}" for name in names]
+    assert not wrong, "mergekit internals outside adapter/mergekit_compat.py:\n" + "\n".join(wrong)
+
+
 def public_definitions(tree: ast.Module):
     """Every non-underscore function and class, nested ones included (methods too)."""
     for node in ast.walk(tree):
@@ -259,10 +293,10 @@ def test_graft_plan_is_built_in_one_place():
 # Module-level stores that outlive a call, each with the reason it is not a merge's state.
 # A merge's state lives in its MergeRun (pipeline/merge_run.py) and nowhere else.
 PER_PROCESS = {
-    "adapter/merge_method.py:_ACTIVE_RUNS": "mergekit's per-tensor tasks carry only an id: a merge's run is "
-                                             "findable by it while mergekit's run_merge runs, and removed after",
-    "adapter/data_aware_methods.py:_ACTIVE_RUNS": "the same for fisher and regmean merges: a run findable by its "
-                                                   "id while its mergekit call runs, and removed after",
+    "methods/graft.py:_ACTIVE_RUNS": "mergekit's per-tensor tasks carry only an id: a merge's run is "
+                                     "findable by it while mergekit's run_merge runs, and removed after",
+    "methods/data_aware.py:_ACTIVE_RUNS": "the same for fisher and regmean merges: a run findable by its "
+                                          "id while its mergekit call runs, and removed after",
     "formats/output_folder.py:_ARRIVALS": "test hook: arrivals of this process at a stage, as the process's "
                                           "$GRAFTMERGE_TEST_STOP_AT counts them",
     "formats/user_cache.py:_warned": "each cache warning once per process",
@@ -288,7 +322,7 @@ def callee_name(node: ast.expr) -> str | None:
     return getattr(node, "id", getattr(node, "attr", None))
 
 
-SELF_FILLING = {"ActiveRuns"}  # stores filled through their own methods (adapter/active_runs.py): always stores
+SELF_FILLING = {"ActiveRuns"}  # stores filled through their own methods (methods/active_runs.py): always stores
 
 
 def module_stores(tree: ast.Module) -> set[str]:

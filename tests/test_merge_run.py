@@ -20,8 +20,8 @@ from mergekit.common import ModelReference
 from mergekit.merge_methods import merge_state_dicts
 from mergekit.merge_methods.base import TensorGroup
 
-from graftmerge.adapter import merge_method
 from graftmerge.errors import GraftError
+from graftmerge.methods import graft as merge_method
 from graftmerge.pipeline import graft
 from tests.helpers.configs import graft_yaml
 from tests.helpers.fisher_caches import write_mixed_cache

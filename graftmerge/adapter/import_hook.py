@@ -22,10 +22,8 @@ import sys
 # importlib.resources, pathlib and tempfile (~35 ms) at every interpreter start.
 
 _AFTER_IMPORT = {
-    "mergekit.merge_methods.registry": (("graftmerge.adapter.merge_method", "register_graft"),
-                                        ("graftmerge.adapter.data_aware_methods", "register_data_aware")),
-    "mergekit.merge": (("graftmerge.adapter.merge_method", "wrap_run_merge"),
-                       ("graftmerge.adapter.data_aware_methods", "wrap_run_merge")),
+    "mergekit.merge_methods.registry": (("graftmerge.adapter.registration", "register_methods"),),
+    "mergekit.merge": (("graftmerge.adapter.registration", "wrap_run_merge"),),
     # mergekit's click commands: their errors are the command line's business (graftmerge.cli)
     "mergekit.scripts.run_yaml": (("graftmerge.cli.mergekit_scripts", "wrap_config_script"),),
     "mergekit.scripts.multimerge": (("graftmerge.cli.mergekit_scripts", "wrap_config_script"),),

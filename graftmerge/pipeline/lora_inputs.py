@@ -36,9 +36,9 @@ import torch
 from mergekit.common import ModelPath, ModelReference
 from mergekit.config import InputModelDefinition
 from mergekit.io.lazy_tensor_loader import ShardedTensorIndex, ShardInfo
-from mergekit.io.tasks import LoaderCache
 from torch.utils.weak import WeakIdKeyDictionary
 
+from graftmerge.adapter import mergekit_compat
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import InMemoryCheckpoint, TensorSource
 from graftmerge.formats.lora_adapter import WEIGHTS_NAME, open_lora_state_dict
@@ -110,15 +110,9 @@ def mergekit_view(config, inputs: GraftInputs) -> tuple[object, dict[ModelRefere
 def lora_inputs_in_mergekit(config, inputs: GraftInputs) -> Iterator[object]:
     """The config for mergekit, with each LoRA input's loader in mergekit's LoaderCache until the block ends."""
     view, sources = mergekit_view(config, inputs)
-    loaders = LoaderCache().loaders  # one dict, shared by every thread's LoaderCache
-    for reference, source in sources.items():
-        base_path = str(source.adapter.path)
-        loaders[reference] = SourceLoader(source, base_path)
-    try:
+    loaders = {reference: SourceLoader(source, str(source.adapter.path)) for reference, source in sources.items()}
+    with mergekit_compat.loaders_in_cache(loaders):
         yield view
-    finally:
-        for reference in sources:
-            loaders.pop(reference, None)
 
 
 def low_rank_rotation(inputs: GraftInputs, name: str, fisher: TensorFisher, rows: tuple[int, int] | None,

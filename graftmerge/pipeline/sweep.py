@@ -49,12 +49,12 @@ from mergekit.config import MergeConfiguration, ParameterSetting
 from mergekit.graph import Executor
 from mergekit.io.tasks import GatherTensors, LoaderCache, SaveTensor
 from mergekit.io.tensor_writer import TensorWriter
-from mergekit.merge import _copy_tagalong_files, _copy_tokenizer, _model_out_config
 from mergekit.merge_methods.buffers import copy_non_floating_buffer
 from mergekit.plan import MergePlanner
 from pydantic import TypeAdapter
 from tqdm import tqdm
 
+from graftmerge.adapter import mergekit_compat
 from graftmerge.errors import GraftError
 from graftmerge.formats.output_folder import EMPTY, OutputFolder, check_not_inputs
 from graftmerge.formats.rotation_store import RotationStore
@@ -147,7 +147,7 @@ class _LastRotation:
         return self._slot[0][1]
 
 
-class SpillingWriter(TensorWriter):
+class SpillingWriter(mergekit_compat.ShardWriter):
     """mergekit's ``TensorWriter`` for one grid point, its shard buffer on disk instead of in memory.
 
     mergekit's writer keeps a shard's tensors in memory until the shard is full (up to
@@ -163,11 +163,7 @@ class SpillingWriter(TensorWriter):
     """
 
     def __init__(self, folder: Path, spill: Path, options):
-        if not callable(getattr(TensorWriter, "_write_shard_task", None)):
-            raise GraftError("this mergekit's TensorWriter has no _write_shard_task; graftmerge sweep needs "
-                             "mergekit 0.1.x as pinned by graftmerge: reinstall graftmerge's dependencies")
-        super().__init__(str(folder), max_shard_size=options.out_shard_size,
-                         safe_serialization=options.safe_serialization)
+        super().__init__(str(folder), options)
         self._spill_folder = spill
         self._spill: str | None = None  # the spill file of the shard being filled
         self._where: dict[str, tuple[int, torch.dtype, torch.Size]] = {}  # offset in it, dtype, shape
@@ -184,12 +180,13 @@ class SpillingWriter(TensorWriter):
             self._where[name] = (file.tell(), tensor.dtype, tensor.shape)
             file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
 
-    def _write_shard_task(self, shard_data: dict, shard_index: int, shard_path: str) -> None:
-        """mergekit's shard writing, given the shard's real tensors; then its spill file goes."""
-        with open(self._spill, "rb") as file:  # every tensor of this shard, and only those, is in it
-            tensors = {name: _read_spilled(file, *self._where.pop(name)) for name in shard_data}
-        super()._write_shard_task(tensors, shard_index, shard_path)
-        del tensors
+    def shard_tensors(self, shard_data: dict) -> dict:
+        """The shard's real tensors, read back from its spill file (every tensor of it, and only those)."""
+        with open(self._spill, "rb") as file:
+            return {name: _read_spilled(file, *self._where.pop(name)) for name in shard_data}
+
+    def shard_written(self) -> None:
+        """The shard's spill file goes."""
         os.unlink(self._spill)
         self._spill = None
 
@@ -408,7 +405,7 @@ def _planned_tensors(config, arch_info, options, out_path: Path) -> tuple:
     cuts shards in the order it is given tensors, so this order makes the same shards.
     Building the executor only schedules the tasks; nothing runs, nothing is written.
     """
-    out_config = _model_out_config(config, arch_info, trust_remote_code=options.trust_remote_code)
+    out_config = mergekit_compat.model_out_config(config, arch_info, options)
     planner = MergePlanner(copy.deepcopy(config), arch_info, options=options, out_model_config=out_config)
     schedule = Executor(planner.plan_to_disk(out_path=str(out_path))).schedule.tasks
     return out_config, [handle.task() for handle in schedule if isinstance(handle.task(), SaveTensor)]
@@ -443,7 +440,7 @@ def _write_model_files(config, source: str, point: GridPoint, folder: str, out_c
         Path(folder, "mergekit_config.yml").write_text(anchored, encoding="utf-8")
     if options.copy_tokenizer:
         try:
-            _copy_tokenizer(point_config, folder, options=options)
+            mergekit_compat.copy_tokenizer(point_config, folder, options)
         except Exception as error:  # noqa: BLE001 - mergekit also keeps the merge when this fails
             LOG.error("Failed to copy tokenizer into %s: %s", folder, error)
-    _copy_tagalong_files(point_config, folder, files=arch_info.tagalong_files or [], options=options)
+    mergekit_compat.copy_tagalong_files(point_config, folder, arch_info.tagalong_files or [], options)

@@ -1,37 +1,20 @@
-"""The ``graft`` merge method for mergekit: a thin adapter over :mod:`graftmerge.pipeline.graft`.
+"""``merge_method: graft`` for mergekit: θpost + M_ρ(Σ λ_i (θft_i − θdonor)), per tensor.
 
-Registered by the import hook when mergekit's registry is first imported, so
-the stock ``mergekit-yaml`` knows ``merge_method: graft``.
-
-mergekit plans one task per tensor from the config's parameters and calls ``merge_group``
-with them; it cannot hand a task an object. So each graft merge's
-:class:`~graftmerge.pipeline.merge_run.MergeRun` is registered (``_ACTIVE_RUNS``, an
-:class:`~graftmerge.adapter.active_runs.ActiveRuns`) for
-the duration of mergekit's ``run_merge``, under an id the merge puts into the config
-mergekit sees (the parameter ``graft_run``); ``merge_group`` looks its run up by that id,
-and nothing else: that lookup is the one place per-merge state is found rather than
-handed down.
-
-mergekit's registry module is imported at the top, safely in either order: when the
-hook imports this module, the registry has already run; when this module is imported
-first, its mergekit imports run the registry (the hook then finds ``register_graft``
-not yet defined and skips it), and the lines at the bottom register graft.
+mergekit plans one task per tensor from the config's parameters and cannot hand a task an
+object, so each merge's :class:`~graftmerge.pipeline.merge_run.MergeRun` is registered under an
+id for as long as mergekit's ``run_merge`` runs (the parameter ``graft_run``); ``merge_group``
+finds it by that id: the one lookup of per-merge state. In-memory inputs (``merge_state_dicts``)
+are grafted all at once by :func:`graft_state_dict_groups`.
 """
 
 from __future__ import annotations
 
-import functools
-import sys
-from collections.abc import Callable, Mapping
-from types import ModuleType
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from mergekit.common import ModelReference
-from mergekit.merge_methods import registry as mergekit_registry
 from mergekit.merge_methods.base import (
     BasePolicy,
-    GroupMergeMethod,
     InputContract,
     MergeMethodSpec,
     ParameterScope,
@@ -39,9 +22,10 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
-from graftmerge.adapter.active_runs import ActiveRuns
+from graftmerge.adapter.mergekit_compat import TensorGroupMethod
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import InMemoryCheckpoint
+from graftmerge.methods.active_runs import ActiveRuns
 from graftmerge.pipeline import schedule_binding
 from graftmerge.pipeline.graft import graft_in_memory, graft_tensor, run_graft_merge
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, build_plan, positional_roles
@@ -70,7 +54,7 @@ def find_run(run_id: str | None) -> MergeRun:
     return run
 
 
-class GraftMergeMethod(GroupMergeMethod):
+class GraftMergeMethod(TensorGroupMethod):
     """θpost + M_ρ(Σ λ_i (θft_i − θdonor)); base_model is θpost."""
 
     def __init__(self) -> None:
@@ -123,14 +107,8 @@ class GraftMergeMethod(GroupMergeMethod):
         schedule_binding.check_bound(run.plan, group.metadata.name, parameters, per_input, order)
         return graft_tensor(run, group.metadata.name, post, donor, fine_tunes, deltas)
 
-    def _execute(self, groups, parameters, options, *, input_dtypes, out_dtype=None):
-        """Model folders (mergekit's graph) go tensor by tensor; in-memory inputs all at once.
-
-        ``merge_state_dicts`` / ``merge_tensors`` hand over plain ids (ints, names), not
-        model references: those inputs are grafted by :func:`graft_state_dict_groups`.
-        """
-        if all(isinstance(entry.id, ModelReference) for group in groups for entry in group.entries):
-            return super()._execute(groups, parameters, options, input_dtypes=input_dtypes, out_dtype=out_dtype)
+    def merge_in_memory(self, groups, parameters, options, input_dtypes, out_dtype):
+        """In-memory inputs (``merge_state_dicts``: plain ids, not model references) are grafted all at once."""
         merged = graft_state_dict_groups(groups, parameters, input_dtypes, out_dtype)
         return tuple(t if out_dtype is None else t.to(out_dtype) for t in merged)
 
@@ -244,40 +222,10 @@ def check_distinct_state_dicts(groups, inputs: list[tuple[Any, str]]) -> None:
 graft_merge_method = GraftMergeMethod()
 
 
-def register_graft(registry_module: ModuleType = mergekit_registry) -> None:
-    """Register ``graft`` with mergekit; a second call is a no-op.
+def run_merge(original, merge_config, out_path: str, options, config_source=None):
+    """mergekit's ``run_merge`` (``original``) for a graft config: validated, opened and pre-passed first
+    (:func:`~graftmerge.pipeline.graft.run_graft_merge`), its run findable by mergekit's tasks meanwhile."""
+    def run_mergekit(run: MergeRun, config, out, options, config_source=None):
+        return _ACTIVE_RUNS.run_merge(original, run, RUN_PARAMETER, config, out, options, config_source)
 
-    The import hook passes the registry module it has just run; the default is the same module.
-    """
-    if "graft" not in {m.spec.name for m in registry_module.registered_methods()}:
-        registry_module.register(graft_merge_method)
-
-
-def run_mergekit(original: Callable, run: MergeRun, config, out_path: str, options, config_source=None):
-    """mergekit's own ``run_merge`` on ``config`` for graft merge ``run``, findable by its tasks meanwhile."""
-    return _ACTIVE_RUNS.run_merge(original, run, RUN_PARAMETER, config, out_path, options, config_source)
-
-
-def wrap_run_merge(merge_module) -> None:
-    """Route graft configs through run_graft_merge; other methods are untouched."""
-    original = getattr(merge_module, "run_merge", None)
-    if original is None or getattr(original, "_graftmerge_wrapped", False):
-        return  # half-imported: the import hook wraps it once mergekit.merge finishes
-
-    def run_merge(merge_config, out_path, options, config_source=None):
-        """mergekit's run_merge; graft configs go through run_graft_merge (docstring: the original's)."""
-        if merge_config.merge_method != "graft":
-            return original(merge_config, out_path, options=options, config_source=config_source)
-        return run_graft_merge(functools.partial(run_mergekit, original), merge_config, out_path, options,
-                               config_source)
-
-    run_merge.__doc__ = original.__doc__
-    run_merge._graftmerge_wrapped = True
-    merge_module.run_merge = run_merge
-
-
-# Imported directly (not through the hook): register with whatever is loaded.
-if "mergekit.merge_methods.registry" in sys.modules:
-    register_graft(sys.modules["mergekit.merge_methods.registry"])
-if "mergekit.merge" in sys.modules:
-    wrap_run_merge(sys.modules["mergekit.merge"])
+    return run_graft_merge(run_mergekit, merge_config, out_path, options, config_source)

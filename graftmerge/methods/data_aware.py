@@ -1,6 +1,5 @@
-"""The ``fisher`` and ``regmean`` merge methods for mergekit: thin adapters over
-:mod:`graftmerge.pipeline.data_aware_merge`, registered and wired exactly as ``graft`` is
-(:mod:`graftmerge.adapter.merge_method`).
+"""What ``fisher`` and ``regmean`` share as mergekit methods (each has its own module:
+:mod:`graftmerge.methods.fisher`, :mod:`graftmerge.methods.regmean`).
 
 mergekit's per-tensor tasks carry only parameters, so each merge's
 :class:`~graftmerge.pipeline.data_aware_merge.DataAwareRun` is registered for as long as
@@ -11,18 +10,12 @@ parameters (``data_aware_run``); ``merge_group`` finds its run by that id and no
 from __future__ import annotations
 
 import contextlib
-import functools
-import sys
-from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
 from mergekit.common import ModelReference
-from mergekit.merge_methods import registry as mergekit_registry
 from mergekit.merge_methods.base import (
     BasePolicy,
-    GroupMergeMethod,
     InputContract,
     MergeMethodSpec,
     ParameterScope,
@@ -30,13 +23,12 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
-from graftmerge.adapter.active_runs import ActiveRuns
+from graftmerge.adapter.mergekit_compat import TensorGroupMethod
 from graftmerge.errors import GraftError
+from graftmerge.methods.active_runs import ActiveRuns
 from graftmerge.pipeline import data_aware_merge  # as a module: importing it first imports mergekit, then us
-from graftmerge.pipeline.data_aware_plan import DEFAULT_ALPHA, DEFAULT_EPSILON, METHODS
 
 RUN_PARAMETER = "data_aware_run"
-REFERENCES = {"fisher": "https://arxiv.org/abs/2111.09832", "regmean": "https://arxiv.org/abs/2212.09849"}
 
 # The fisher/regmean merges running in this process, by id, each for exactly as long as its
 # mergekit call runs (the same arrangement as graft's runs: mergekit's tasks carry only parameters).
@@ -63,19 +55,14 @@ def _key(input_id):
     return str(input_id) if isinstance(input_id, ModelReference) else input_id
 
 
-class DataAwareMergeMethod(GroupMergeMethod):
-    """Σ_i w_i F_i ⊙ θ_i / Σ_i w_i F_i (``fisher``) or (Σ_i w_i G̃_i)⁻¹ Σ_i w_i G̃_i W_i (``regmean``), per tensor."""
+class DataAwareMergeMethod(TensorGroupMethod):
+    """A data-aware merge of mergekit's inputs (no base), per tensor: ``fisher`` or ``regmean``."""
 
-    def __init__(self, method: str) -> None:
-        shared = ((ParameterSpec("epsilon", float, ParameterScope.SHARED, default=DEFAULT_EPSILON),)
-                  if method == "fisher" else
-                  (ParameterSpec("alpha", float, ParameterScope.SHARED, default=DEFAULT_ALPHA),
-                   ParameterSpec("regmean_fallback", str, ParameterScope.SHARED, default="error"),
-                   ParameterSpec("model_config", str | None, ParameterScope.SHARED, default=None)))
+    def __init__(self, name: str, pretty_name: str, reference_url: str, shared: tuple[ParameterSpec, ...]) -> None:
         self.spec = MergeMethodSpec(
-            name=method,
-            pretty_name="Fisher merging" if method == "fisher" else "RegMean",
-            reference_url=REFERENCES[method],
+            name=name,
+            pretty_name=pretty_name,
+            reference_url=reference_url,
             parameters=(
                 ParameterSpec("fisher", str | None, ParameterScope.INPUT, default=None),
                 ParameterSpec("weight", float, ParameterScope.INPUT, default=1.0),
@@ -94,18 +81,15 @@ class DataAwareMergeMethod(GroupMergeMethod):
                              f"its config has {len(run.plan.inputs)}")
         return data_aware_merge.merge_tensor(run, group.metadata.name, [entry.tensor for entry in ordered])
 
-    def _execute(self, groups, parameters, options, *, input_dtypes, out_dtype=None):
-        """Model folders (mergekit's graph) run with the run their merge registered; in-memory inputs
-        (``merge_state_dicts``) get a run made here, then the very same per-tensor kernel."""
-        if all(isinstance(entry.id, ModelReference) for group in groups for entry in group.entries):
-            return super()._execute(groups, parameters, options, input_dtypes=input_dtypes, out_dtype=out_dtype)
+    def merge_in_memory(self, groups, parameters, options, input_dtypes, out_dtype):
+        """In-memory inputs (``merge_state_dicts``) get a run made here, then the very same per-tensor kernel."""
         if not groups:
             return ()
         run = _in_memory_run(self.spec.name, groups, parameters, input_dtypes)
         run.out_dtype = out_dtype
         with registered_run(run) as run_id:
             bound = [{**each, RUN_PARAMETER: run_id} for each in parameters]
-            return super()._execute(groups, bound, options, input_dtypes=input_dtypes, out_dtype=out_dtype)
+            return self.merge_groups(groups, bound, options, input_dtypes, out_dtype)
 
 
 def _in_memory_run(method: str, groups, parameters, input_dtypes) -> data_aware_merge.DataAwareRun:
@@ -127,45 +111,12 @@ def _in_memory_run(method: str, groups, parameters, input_dtypes) -> data_aware_
     return data_aware_merge.in_memory_run(method, ids, tensors, dtypes, shared)
 
 
-data_aware_methods = {method: DataAwareMergeMethod(method) for method in METHODS}
+def run_merge(original, merge_config, out_path: str, options, config_source=None):
+    """mergekit's ``run_merge`` (``original``) for a fisher or regmean config: checked and opened first
+    (:func:`~graftmerge.pipeline.data_aware_merge.run_data_aware_merge`), its run findable meanwhile."""
+    def run_mergekit(run, config, out, options, config_source=None):
+        return _ACTIVE_RUNS.run_merge(original, run, RUN_PARAMETER, config, out, options, config_source,
+                                      kind=run.plan.method)
 
-
-def register_data_aware(registry_module: ModuleType = mergekit_registry) -> None:
-    """Register ``fisher`` and ``regmean`` with mergekit; a second call is a no-op."""
-    known = {m.spec.name for m in registry_module.registered_methods()}
-    for name, method in data_aware_methods.items():
-        if name not in known:
-            registry_module.register(method)
-
-
-def run_mergekit(original: Callable, run: data_aware_merge.DataAwareRun, config, out_path: str, options,
-                 config_source=None):
-    """mergekit's own ``run_merge`` on ``config`` for ``run``, findable by its tasks meanwhile."""
-    return _ACTIVE_RUNS.run_merge(original, run, RUN_PARAMETER, config, out_path, options, config_source,
-                                  kind=run.plan.method)
-
-
-def wrap_run_merge(merge_module) -> None:
-    """Route fisher and regmean configs through run_data_aware_merge; other methods are untouched."""
-    original = getattr(merge_module, "run_merge", None)
-    if original is None or getattr(merge_module, "_graftmerge_data_aware", False):
-        return  # half-imported (the hook wraps it once mergekit.merge finishes), or wrapped already
-
-    def run_merge(merge_config, out_path, options, config_source=None):
-        """mergekit's run_merge; fisher and regmean configs checked first (docstring: the original's)."""
-        if merge_config.merge_method not in METHODS:
-            return original(merge_config, out_path, options=options, config_source=config_source)
-        return data_aware_merge.run_data_aware_merge(functools.partial(run_mergekit, original), merge_config,
-                                                     out_path, options, config_source, run_parameter=RUN_PARAMETER)
-
-    run_merge.__doc__ = original.__doc__
-    run_merge._graftmerge_wrapped = getattr(original, "_graftmerge_wrapped", False)  # graft's own mark, kept
-    merge_module.run_merge = run_merge
-    merge_module._graftmerge_data_aware = True  # on the module: graft may wrap this wrapper in turn
-
-
-# Imported directly (not through the hook): register with whatever is loaded.
-if "mergekit.merge_methods.registry" in sys.modules:
-    register_data_aware(sys.modules["mergekit.merge_methods.registry"])
-if "mergekit.merge" in sys.modules:
-    wrap_run_merge(sys.modules["mergekit.merge"])
+    return data_aware_merge.run_data_aware_merge(run_mergekit, merge_config, out_path, options, config_source,
+                                                 run_parameter=RUN_PARAMETER)

@@ -1,0 +1,131 @@
+"""Every contact graftmerge has with mergekit's internals, in one place.
+
+mergekit's public surface is its config, options, ``run_merge`` and merge-method base classes.
+graftmerge also needs a few of its private functions and methods, patches ``run_merge`` and
+fills its loader cache: all of that is named here and nowhere else, and
+tests/test_mergekit_compat.py checks each against the mergekit that pyproject.toml pins, so an
+upgrade that moves one fails there first. Imports only mergekit and :mod:`graftmerge.errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import torch
+from mergekit.common import ModelReference
+from mergekit.io.tasks import LoaderCache
+from mergekit.io.tensor_writer import TensorWriter
+from mergekit.merge_methods.base import GroupMergeMethod
+
+from graftmerge.errors import GraftError
+
+PINNED = ">=0.1.5,<0.2"  # pyproject.toml's pin; the names below are those of these releases
+WRAPPED = "_graftmerge_routes"  # the attribute marking mergekit.merge.run_merge as graftmerge's one wrapper
+
+
+def model_out_config(config, arch_info, options):
+    """The output model's config.json as mergekit's run_merge writes it (``_model_out_config``)."""
+    return _merge_module()._model_out_config(config, arch_info, trust_remote_code=options.trust_remote_code)
+
+
+def copy_tokenizer(config, folder: str, options) -> None:
+    """Copy or build the tokenizer into ``folder`` as mergekit's run_merge does (``_copy_tokenizer``)."""
+    _merge_module()._copy_tokenizer(config, folder, options=options)
+
+
+def copy_tagalong_files(config, folder: str, files: list[str], options) -> None:
+    """Copy the architecture's tag-along files into ``folder`` as run_merge does (``_copy_tagalong_files``)."""
+    _merge_module()._copy_tagalong_files(config, folder, files=files, options=options)
+
+
+def _merge_module():
+    """``mergekit.merge``, looked up when used: the import hook may import us while it is still importing."""
+    return __import__("mergekit.merge", fromlist=["run_merge"])
+
+
+class ShardWriter(TensorWriter):
+    """mergekit's ``TensorWriter``, with a say over each shard's tensors just before it is written.
+
+    Subclasses override :meth:`shard_tensors` (what goes into the file) and :meth:`shard_written`
+    (called after); both hook mergekit's private ``_write_shard_task``.
+    """
+
+    def __init__(self, folder: str, options):
+        if not callable(getattr(TensorWriter, "_write_shard_task", None)):
+            raise GraftError("this mergekit's TensorWriter has no _write_shard_task; graftmerge needs mergekit "
+                             f"{PINNED} as pinned by graftmerge: reinstall graftmerge's dependencies")
+        super().__init__(folder, max_shard_size=options.out_shard_size, safe_serialization=options.safe_serialization)
+
+    def shard_tensors(self, shard_data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors written for the shard that holds ``shard_data`` (default: those)."""
+        return shard_data
+
+    def shard_written(self) -> None:
+        """Called once a shard's file is written."""
+
+    def _write_shard_task(self, shard_data: dict, shard_index: int, shard_path: str) -> None:
+        tensors = self.shard_tensors(shard_data)
+        super()._write_shard_task(tensors, shard_index, shard_path)
+        del tensors
+        self.shard_written()
+
+
+class TensorGroupMethod(GroupMergeMethod):
+    """mergekit's ``GroupMergeMethod``; in-memory inputs (``merge_state_dicts``: ids that are no model
+    references) go to :meth:`merge_in_memory` instead of tensor by tensor (mergekit's private ``_execute``)."""
+
+    def merge_in_memory(self, groups, parameters, options, input_dtypes, out_dtype) -> tuple[torch.Tensor, ...]:
+        """Every in-memory group at once (default: :meth:`merge_groups`)."""
+        return self.merge_groups(groups, parameters, options, input_dtypes, out_dtype)
+
+    def merge_groups(self, groups, parameters, options, input_dtypes, out_dtype) -> tuple[torch.Tensor, ...]:
+        """mergekit's own execution: ``merge_group`` per group."""
+        return super()._execute(groups, parameters, options, input_dtypes=input_dtypes, out_dtype=out_dtype)
+
+    def _execute(self, groups, parameters, options, *, input_dtypes, out_dtype=None):
+        if all(isinstance(entry.id, ModelReference) for group in groups for entry in group.entries):
+            return self.merge_groups(groups, parameters, options, input_dtypes, out_dtype)
+        return self.merge_in_memory(groups, parameters, options, input_dtypes, out_dtype)
+
+
+def register(registry_module, methods: Iterable) -> None:
+    """Register each of ``methods`` with mergekit's registry module; one already known is left as it is."""
+    known = {method.spec.name for method in registry_module.registered_methods()}
+    for method in methods:
+        if method.spec.name not in known:
+            registry_module.register(method)
+
+
+Route = Callable[..., object]  # (mergekit's run_merge, config, out_path, options, config_source) -> its result
+
+
+def wrap_run_merge(merge_module, routes: Mapping[str, Route]) -> None:
+    """Replace ``merge_module.run_merge`` once: a config whose merge_method is in ``routes`` goes through its
+    route (handed mergekit's own run_merge), any other straight to mergekit's."""
+    original = getattr(merge_module, "run_merge", None)
+    if original is None or hasattr(original, WRAPPED):
+        return  # half-imported (the import hook wraps it once mergekit.merge finishes), or wrapped already
+
+    @functools.wraps(original)
+    def run_merge(merge_config, out_path, options, config_source=None):
+        route = routes.get(merge_config.merge_method)
+        if route is None:
+            return original(merge_config, out_path, options=options, config_source=config_source)
+        return route(original, merge_config, out_path, options, config_source)
+
+    setattr(run_merge, WRAPPED, routes)
+    merge_module.run_merge = run_merge
+
+
+@contextlib.contextmanager
+def loaders_in_cache(loaders: Mapping[ModelReference, object]) -> Iterator[None]:
+    """Each loader in mergekit's ``LoaderCache`` under its reference until the block ends, however it ends."""
+    cache = LoaderCache().loaders  # one dict, shared by every thread's LoaderCache
+    cache.update(loaders)
+    try:
+        yield
+    finally:
+        for reference in loaders:
+            cache.pop(reference, None)

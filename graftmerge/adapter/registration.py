@@ -1,0 +1,37 @@
+"""graftmerge's merge methods in mergekit: registered once, and ``run_merge`` wrapped once.
+
+The import hook calls :func:`register_methods` when mergekit's registry module has run and
+:func:`wrap_run_merge` when ``mergekit.merge`` has. Imported directly instead (this module's
+own mergekit imports may run the registry first, while it is half-initialised, and the hook then
+skips it), the lines at the bottom do the same with whatever mergekit has loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+from graftmerge.adapter import mergekit_compat
+from graftmerge.methods import data_aware, fisher, graft, regmean
+
+METHODS = (graft.graft_merge_method, fisher.fisher_merge_method, regmean.regmean_merge_method)
+ROUTES = {"graft": graft.run_merge, "fisher": data_aware.run_merge, "regmean": data_aware.run_merge}
+
+
+def register_methods(registry_module: ModuleType | None = None) -> None:
+    """Register graft, fisher and regmean with mergekit's registry (default: the one imported); a second call
+    is a no-op."""
+    registry_module = registry_module or sys.modules.get("mergekit.merge_methods.registry") or __import__(
+        "mergekit.merge_methods.registry", fromlist=["register"])
+    mergekit_compat.register(registry_module, METHODS)
+
+
+def wrap_run_merge(merge_module: ModuleType) -> None:
+    """Route graft, fisher and regmean configs through graftmerge's checks first; other methods are untouched."""
+    mergekit_compat.wrap_run_merge(merge_module, ROUTES)
+
+
+if "mergekit.merge_methods.registry" in sys.modules:
+    register_methods(sys.modules["mergekit.merge_methods.registry"])
+if "mergekit.merge" in sys.modules:
+    wrap_run_merge(sys.modules["mergekit.merge"])
