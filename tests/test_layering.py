@@ -220,7 +220,8 @@ def test_only_the_compat_module_touches_mergekit_internals():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mergekit":
                 names = [a.name for a in node.names if a.name.startswith("_") or a.name in MERGEKIT_INTERNALS]
-            elif isinstance(node, ast.Attribute) and node.attr == "loaders" and callee_name(node.value) == "LoaderCache":
+            elif (isinstance(node, ast.Attribute) and node.attr == "loaders"
+                  and callee_name(node.value) == "LoaderCache"):
                 names = ["LoaderCache().loaders"]
             elif isinstance(node, ast.FunctionDef | ast.Attribute | ast.Name):
                 names = [n for n in [getattr(node, "name", None) or getattr(node, "attr", None)
