@@ -105,6 +105,21 @@ def test_a_base_model_is_refused(tmp_path, setup):
     refuse(tmp_path, f"base_model: {models[0]}\n" + config("fisher", models, caches, [1.0, 1.0]), "has no base")
 
 
+@pytest.mark.parametrize("method, change, expected", [
+    ("fisher", ("dtype:", "dtyp:"), "c.yml: unknown key dtyp (did you mean dtype?)"),
+    ("regmean", ("models:", "model:"), "c.yml: unknown key model (did you mean models?)"),
+    ("regmean", ("dtype: float32", "dtype: float32\nalpha: 0.5"),
+     "unknown key alpha (alpha is a parameter of the method: put it under `parameters:`)"),
+    ("fisher", ("    parameters:", "    parameter:"), "unknown key parameter in model 1 of `models:` "
+                                                         "(did you mean parameters?)"),
+])
+def test_a_misspelt_key_is_named(tmp_path, setup, method, change, expected):
+    """mergekit drops keys it does not know; a fisher or regmean config names them, with the key meant."""
+    root, models, caches = setup
+    text = config(method, models, caches, [1.0, 1.0]).replace(*change, 1)
+    refuse(tmp_path, text, expected)
+
+
 def test_out_among_the_inputs_is_refused(tmp_path, setup):
     root, models, caches = setup
     (tmp_path / "c.yml").write_text(config("fisher", models, caches, [1.0, 1.0]))

@@ -224,6 +224,25 @@ def test_huge_integer_in_the_merge_config_itself(tmp_path, tied_models):
         read_merge_config(str(tmp_path / "graft.yml"))
 
 
+def test_a_misspelt_top_level_key_is_named_by_every_command_that_reads_a_config(tmp_path, tied_models):
+    """``base_modle:`` is named with the key meant, not reported as a missing base_model; mergekit-multi's own
+    ``name:`` is a key it reads; a stock method's config is left to mergekit, which ignores unknown keys."""
+    m = tied_models
+    config = graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 1.0)]).replace("base_model:", "base_modle:")
+    (tmp_path / "graft.yml").write_text(config)
+    fragment = "graft.yml: unknown key base_modle (did you mean base_model?)"
+    for command in (["mergekit-yaml", "graft.yml", "out"], ["graftmerge", "merge", "graft.yml", "out"],
+                    ["graftmerge", "plan", "graft.yml", "--rho", "0.1"],
+                    ["graftmerge", "sweep", "graft.yml", "--lambda", "1", "--rho", "0", "-o", "out"]):
+        one_line(run_cli(*command, cwd=tmp_path), fragment)
+        assert not (tmp_path / "out").exists()
+    (tmp_path / "multi.yml").write_text("name: first\n" + config)
+    one_line(run_cli("mergekit-multi", "multi.yml", "-I", "inter", cwd=tmp_path), fragment.replace("graft", "multi"))
+    (tmp_path / "linear.yml").write_text(f"merge_method: linear\nmodels:\n  - model: {m['post']}\n"
+                                         "    parameters: {weight: 1.0}\nnotes: mergekit ignores this\n")
+    assert read_merge_config(str(tmp_path / "linear.yml"))[0].merge_method == "linear"
+
+
 def test_foreign_architecture_is_merged_with_allow_crimes_as_the_post_architecture(tmp_path, tied_models, hostile):
     """mergekit's own switch lets it through; the post model's architecture plans the merge, whatever the set order."""
     from mergekit.config import MergeConfiguration
