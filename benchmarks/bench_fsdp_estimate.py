@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
+from graftmerge.demo.tiny_models import save_tiny_model
 from graftmerge.formats.fisher_cache import open_fisher_cache
-from graftmerge.testing.tiny_models import save_tiny_model
 
 GIB = 1 << 30
 

@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 BIN = Path(sys.executable).parent
+# The repository's root: benchmarks run as `python benchmarks/bench_x.py` use its test fixtures (tests/helpers).
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 SHARD_BYTES = 500 * 1000 * 1000
 
 
@@ -125,7 +127,7 @@ def small_qwen3(hidden: int, layers: int, intermediate: int, vocab: int, dtype: 
     """A generated Qwen3 (8 heads, 4 KV heads, tied, sdpa) for the estimator and sampler benchmarks."""
     from transformers import Qwen3ForCausalLM
 
-    from graftmerge.testing.tiny_models import tiny_qwen3_config
+    from graftmerge.demo.tiny_models import tiny_qwen3_config
 
     config = tiny_qwen3_config(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
                                vocab_size=vocab, num_attention_heads=8, num_key_value_heads=4,

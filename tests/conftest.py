@@ -15,8 +15,8 @@ import httpx2  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from graftmerge.demo.tiny_models import make_graft_inputs, save_tiny_model  # noqa: E402
 from graftmerge.formats.checkpoint import Checkpoint  # noqa: E402
-from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model  # noqa: E402
 from tests.helpers.fake_hub import FakeHub  # noqa: E402
 from tests.helpers.fisher_caches import write_diagonal_cache  # noqa: E402
 from tests.helpers.smollm2 import session_shared_folder, shared_smollm2_import  # noqa: E402
@@ -79,7 +79,7 @@ def smollm2_import(tmp_path_factory) -> dict:
     """SmolLM2-135M-Instruct imported by ``graftmerge import-gguf`` once per session, shared by
     the xdist workers (tests/helpers/smollm2.py): ``post`` (read-only: copy before changing it),
     the command's ``returncode``/``stdout``/``stderr`` and the GGUF's hash before and after."""
-    from graftmerge.testing.smollm2 import smollm2_gguf
+    from tests.helpers.smollm2_facts import smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:

@@ -25,12 +25,12 @@ import transformers
 from peft import LoraConfig
 from safetensors.torch import load_file
 
+from graftmerge.demo.tiny_models import ARCHITECTURES, make_graft_inputs, save_tiny_model
 from graftmerge.errors import GraftError
 from graftmerge.formats import bounded_regex
 from graftmerge.formats.lora_adapter import CONFIG_NAME, WEIGHTS_NAME, open_lora_adapter
 from graftmerge.formats.peft_rules import check_adapter_config, pattern_key, peft_adapts
 from graftmerge.pipeline.lora_inputs import lora_delta_state_dict
-from graftmerge.testing.tiny_models import ARCHITECTURES, make_graft_inputs, save_tiny_model
 from tests.helpers.configs import graft_yaml
 from tests.helpers.lora import make_adapter as make_random_adapter
 from tests.helpers.models import assert_identical, read_model, tree_digest

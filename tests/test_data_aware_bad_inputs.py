@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graftmerge.demo.tiny_models import save_tiny_model
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import FisherCacheWriter
-from graftmerge.testing.tiny_models import save_tiny_model
 from tests.helpers.data_aware import config, make_models, write_both_cache
 from tests.helpers.models import read_model, tree_digest
 from tests.helpers.runners import cli, error_line, refused, run_cli

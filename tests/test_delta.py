@@ -22,10 +22,10 @@ from safetensors.torch import save_file
 
 from graftmerge.adapter import import_hook
 from graftmerge.cli import main
+from graftmerge.demo.tiny_models import make_graft_inputs
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.delta_folder import MANIFEST_NAME, sampled_digest
 from graftmerge.formats.fisher_cache import open_fisher_cache
-from graftmerge.testing.tiny_models import make_graft_inputs
 from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
 from tests.helpers.models import assert_identical, copy_model, read_model, tree_digest
 from tests.helpers.runners import mergekit_yaml_model, run_cli

@@ -1,7 +1,7 @@
-"""`graftmerge demo` as the README runs it: the console script, every artefact written and consistent.
+"""`graftmerge demo` and the experiment's `python -m experiments.demo`: every artefact written and consistent.
 
-The README's `graftmerge demo` runs as a real process; `--tiny` (every stage of `--lm` at a
-tiny size) runs the same click command in this process (tests.helpers.runners.run_cli, `--jobs 0`: no
+`graftmerge demo` runs as a real process; `python -m experiments.demo --tiny` (every stage of `--lm` at a
+tiny size) runs its click command in this process (tests.helpers.runners.run_cli, `--jobs 0`: no
 worker processes), its own merges and estimates in subprocesses.
 """
 
@@ -17,10 +17,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from experiments.demo import lm_results_2
+from experiments.demo.cli import demo as experiment
+from experiments.demo.lm_evaluate import graft_config
+from experiments.demo.lm_settings import TINY
 from graftmerge.cli import main
-from graftmerge.demo import lm_results_2
-from graftmerge.demo.lm_evaluate import graft_config
-from graftmerge.demo.lm_settings import TINY
 from graftmerge.formats.checkpoint import Checkpoint
 from tests.helpers.models import read_model
 from tests.helpers.references import brute_force_graft
@@ -56,16 +57,16 @@ def test_demo_writes_consistent_artefacts(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[Path, dict, str]:
-    """`graftmerge demo --tiny` once (every stage of --lm at a tiny size), in this process: folder, results, stdout."""
+    """`python -m experiments.demo --tiny` once (every stage of --lm, tiny), in process: folder, results, stdout."""
     root = tmp_path_factory.mktemp("demo-lm")
-    result = run_cli("graftmerge", "demo", "--tiny", "--replay", "own", "--jobs", "0", "--workdir", str(root),
+    result = run_cli("python -m experiments.demo", "--tiny", "--replay", "own", "--jobs", "0", "--workdir", str(root),
                      env={"HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     return root, json.loads((root / "results.json").read_text()), result.stdout
 
 
 def test_lm_demo_at_tiny_size(tiny_run) -> None:
-    """Every stage of `graftmerge demo --lm` at a tiny size; consistency, not who wins."""
+    """Every stage of `python -m experiments.demo --lm` at a tiny size; consistency, not who wins."""
     root, results, stdout = tiny_run
     assert results["settings"]["replay"] == "own" and "(replay: own)" in stdout
     plots = ("compute.png", "frontier-graft.png", "frontier-SFT-merge-mask.png")
@@ -154,15 +155,19 @@ def test_results_page_of_a_one_seed_run_says_it_cannot_rank(tiny_run, tmp_path: 
     assert lm_results_2.results_figure(results, tmp_path / "r.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize(("arguments", "expected"), [
-    (["--replay", "own"], "--replay and --jobs apply to the small-LM experiment: add --lm or --full"),
-    (["--jobs", "2"], "--replay and --jobs apply to the small-LM experiment: add --lm or --full"),
-])
-def test_demo_rejects_lm_options_without_lm(arguments: list[str], expected: str) -> None:
-    line = one_line_error(CliRunner().invoke(main, ["demo", *arguments]))
-    assert line.startswith(f"error: {expected}")
+@pytest.mark.parametrize("flag", ["--lm", "--full"])
+def test_demo_points_the_moved_experiment_to_experiments(flag: str) -> None:
+    line = one_line_error(CliRunner().invoke(main, ["demo", flag]))
+    assert line.startswith(f"error: the small-LM experiment ({flag}) is not part of the installed package")
+    assert f"`python -m experiments.demo {flag}`" in line
 
 
-def test_demo_rejects_unknown_replay() -> None:
-    result = CliRunner().invoke(main, ["demo", "--lm", "--replay", "0.25"])
+@pytest.mark.parametrize("option", ["--replay", "--jobs"])
+def test_demo_has_no_experiment_options(option: str) -> None:
+    result = CliRunner().invoke(main, ["demo", option, "2"])
+    assert result.exit_code == 2 and f"No such option '{option}'" in result.output
+
+
+def test_experiment_rejects_unknown_replay() -> None:
+    result = CliRunner().invoke(experiment, ["--lm", "--replay", "0.25"])
     assert result.exit_code == 2 and "'0.25' is not one of 'none', 'offpolicy', 'own'" in result.output

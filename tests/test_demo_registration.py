@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from graftmerge.demo.lm import ModelSize, TrainSettings, build_model, epoch_batches, score, train
-from graftmerge.demo.lm_settings import FULL, QUICK, TINY, grid, updates
-from graftmerge.demo.lm_tasks import world_tokenizer, write_task_files
-from graftmerge.demo.lm_training import seed_world
-from graftmerge.demo.lm_verdict import CHANCE, choose_point, donor_verdict, gate, interference, question, verdict
-from graftmerge.demo.world import PHRASINGS, RELATIONS, World, balanced_values
+from experiments.demo.lm import ModelSize, TrainSettings, build_model, epoch_batches, score, train
+from experiments.demo.lm_settings import FULL, QUICK, TINY, grid, updates
+from experiments.demo.lm_tasks import world_tokenizer, write_task_files
+from experiments.demo.lm_training import seed_world
+from experiments.demo.lm_verdict import CHANCE, choose_point, donor_verdict, gate, interference, question, verdict
+from experiments.demo.world import PHRASINGS, RELATIONS, World, balanced_values
 from graftmerge.evaluation import Evaluator, load_tasks, role_scores
 
 

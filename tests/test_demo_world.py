@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from graftmerge.demo.lm import ModelSize, TrainSettings, build_model, epoch_batches, score, train
-from graftmerge.demo.lm_pipeline import InlineExecutor
-from graftmerge.demo.lm_report import choose, families
-from graftmerge.demo.lm_settings import TINY, Update
-from graftmerge.demo.lm_training import one_thread, pretrain_and_post_train, train_update
-from graftmerge.demo.opsd import distillation_loss
-from graftmerge.demo.world import (
+from experiments.demo.lm import ModelSize, TrainSettings, build_model, epoch_batches, score, train
+from experiments.demo.lm_pipeline import InlineExecutor
+from experiments.demo.lm_report import choose, families
+from experiments.demo.lm_settings import TINY, Update
+from experiments.demo.lm_training import one_thread, pretrain_and_post_train, train_update
+from experiments.demo.opsd import distillation_loss
+from experiments.demo.world import (
     EOS,
     PHRASINGS,
     TEST_PHRASINGS,

@@ -26,10 +26,10 @@ import pytest
 import yaml
 
 from graftmerge.adapter import import_hook
+from graftmerge.demo.tiny_models import tiny_config
 from graftmerge.errors import GraftError
 from graftmerge.pipeline.config_files import read_merge_config
 from graftmerge.pipeline.delta_extract import extract_delta, extract_lora
-from graftmerge.testing.tiny_models import tiny_config
 from tests.helpers.configs import graft_yaml
 from tests.helpers.fisher_caches import write_mixed_cache
 from tests.helpers.models import copy_model, read_model, tree_digest

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from graftmerge.demo.tiny_models import save_tiny_model
 from graftmerge.estimate.checkpointing import checkpoint_folder
 from graftmerge.estimate.run import EstimateSettings, estimate_fisher
 from graftmerge.formats.fisher_cache import open_fisher_cache
-from graftmerge.testing.tiny_models import save_tiny_model
 from tests.helpers.estimation import TINY, caches_close, make_model, random_rollouts, write_jsonl
 from tests.helpers.runners import cli, error_line, refused
 

@@ -18,10 +18,10 @@ from graftmerge.evaluation import (
     normalised,
     role_scores,
 )
-from graftmerge.testing.hf_cache import place_in_hf_cache
-from graftmerge.testing.tiny_tokenizer import CHAT_TEMPLATE, save_tiny_chat_model
+from tests.helpers.hf_cache import place_in_hf_cache
 from tests.helpers.models import tree_digest
 from tests.helpers.runners import error_line, run_cli, run_process
+from tests.helpers.tiny_tokenizer import CHAT_TEMPLATE, save_tiny_chat_model
 
 LINES = [
     {"messages": [{"role": "user", "content": "Name a colour."}], "answer": "Teal.", "split": "validation"},

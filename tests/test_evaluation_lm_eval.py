@@ -19,8 +19,8 @@ import pytest
 
 from graftmerge.errors import GraftError
 from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, normalised
-from graftmerge.testing.tiny_tokenizer import save_tiny_chat_model
 from tests.helpers.runners import error_line, run_cli
+from tests.helpers.tiny_tokenizer import save_tiny_chat_model
 
 QUESTIONS = ["What is the capital?", "Name a colour.", "Who wrote the letter?", "When did the train arrive?",
              "Where is the library?", "Yes or no?", "What did the cat buy?", "Who is the mayor?"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from graftmerge.demo.tiny_models import save_tiny_model
 from graftmerge.errors import GraftError
 from graftmerge.evaluation import (
     Evaluator,
@@ -25,8 +26,7 @@ from graftmerge.evaluation import (
     normalised,
     role_scores,
 )
-from graftmerge.testing.tiny_models import save_tiny_model
-from graftmerge.testing.tiny_tokenizer import save_tiny_chat_model
+from tests.helpers.tiny_tokenizer import save_tiny_chat_model
 
 END = "<|im_end|>"
 TAUGHT = [  # (question, reply the model is taught)

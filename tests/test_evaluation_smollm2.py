@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, role_scores
-from graftmerge.testing.smollm2 import smollm2_gguf
 from tests.helpers.runners import run_cli
+from tests.helpers.smollm2_facts import smollm2_gguf
 
 GGUF = smollm2_gguf()
 pytestmark = [

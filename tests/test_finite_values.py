@@ -18,13 +18,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from graftmerge.demo.tiny_models import make_graft_inputs, save_tiny_model
 from graftmerge.errors import GraftError
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.math.finite import FLOAT32_MAX, fits, product_bound
 from graftmerge.pipeline.config_files import read_merge_config
 from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config
 from graftmerge.pipeline.threshold_pass import compute_global_threshold
-from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model
 from tests.helpers.configs import graft_yaml
 from tests.helpers.fake_hub import place_in_hf_cache
 from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache

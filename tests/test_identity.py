@@ -33,12 +33,12 @@ from mergekit.merge_methods import merge_state_dicts
 from mergekit.options import MergeOptions
 
 from graftmerge.adapter import import_hook
+from graftmerge.demo.tiny_models import save_tiny_model
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.hub.kinds import FISHER
 from graftmerge.hub.pull import pull_artifact
-from graftmerge.testing.tiny_models import save_tiny_model
 from tests.helpers.configs import graft_yaml
 from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
 from tests.helpers.models import assert_identical, read_model, tree_digest

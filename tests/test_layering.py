@@ -35,8 +35,7 @@ LAYERS: list[set[str]] = [
     {"evaluation"},  # task files; a model in memory -> scores per task and role
     {"methods"},  # graft, fisher, regmean as mergekit merge methods, one module each
     {"adapter"},  # their one registration with mergekit, its run_merge wrapped once, and the import hook
-    {"testing"},  # generated test models and the SmolLM2 fixture
-    {"demo"},  # the demos, built on everything below
+    {"demo"},  # `graftmerge demo`: generated tiny models and the paper's minimal model
     {"cli"},  # click commands; graftmerge/__main__.py (python -m graftmerge) belongs here
 ]
 LAZY_IMPORTS_ALLOWED = ("cli/", "adapter/import_hook.py", "evaluation/lm_eval_tasks.py")
@@ -303,7 +302,6 @@ PER_PROCESS = {
     "formats/user_cache.py:_warned": "each cache warning once per process",
     "formats/bounded_regex.py:_translated": "a pure function of a pattern, memoised",
     "formats/bounded_regex.py:_members": "a pure function of a regex node, memoised",
-    "math/paired_tests.py:student_t_quantile": "a pure function of its arguments, memoised",
     "evaluation/lm_eval_tasks.py:task_manager": "the harness's index of task files for a folder set (11-25 s to "
                                                 "build), not a merge's state",
     "math/projection.py:KFAC_ROTATIONS": "instrumentation: rotations done in this process, read by benchmarks "

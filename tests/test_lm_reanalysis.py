@@ -14,15 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from graftmerge.demo.lm import score
-from graftmerge.demo.lm_plots import pareto_front
-from graftmerge.demo.lm_reanalysis import POST, PRIOR, markdown_report, reanalyse, value_prior
-from graftmerge.demo.lm_report import families
-from graftmerge.demo.lm_settings import TINY
-from graftmerge.demo.lm_training import seed_world
-from graftmerge.demo.world import ANSWER, ASSISTANT, EOS, RELATIONS, make_splits
+from experiments.demo.lm import score
+from experiments.demo.lm_plots import pareto_front
+from experiments.demo.lm_reanalysis import POST, PRIOR, markdown_report, reanalyse, value_prior
+from experiments.demo.lm_report import families
+from experiments.demo.lm_settings import TINY
+from experiments.demo.lm_training import seed_world
+from experiments.demo.world import ANSWER, ASSISTANT, EOS, RELATIONS, make_splits
+from experiments.paired_tests import paired_t
 from graftmerge.errors import GraftError
-from graftmerge.math.paired_tests import paired_t
 from tests.helpers.runners import load_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ def test_docs_quote_the_tables_the_code_computes(full) -> None:
     _, analysis = full
     document = (ROOT / "docs" / "demo-results.md").read_text()
     missing = [line for line in markdown_report(analysis).splitlines() if line.startswith("|") and line not in document]
-    assert not missing, "docs/demo-results.md differs from scripts/reanalyse_demo.py:\n" + "\n".join(missing[:5])
+    assert not missing, "docs/demo-results.md differs from experiments/reanalyse_demo.py:\n" + "\n".join(missing[:5])
 
 
 @pytest.fixture(scope="module")

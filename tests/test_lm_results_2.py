@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from graftmerge.demo import lm_results_2
-from graftmerge.demo.lm_reanalysis import settings_from_json
-from graftmerge.demo.lm_verdict import question, summarize, verdict
-from graftmerge.math.paired_tests import holm, paired_t, tost
+from experiments.demo import lm_results_2
+from experiments.demo.lm_reanalysis import settings_from_json
+from experiments.demo.lm_verdict import question, summarize, verdict
+from experiments.paired_tests import holm, paired_t, tost
 from tests.helpers.runners import load_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def test_the_results_page_quotes_the_tables_and_the_verdict(results: dict) -> No
     report = lm_results_2.markdown_report(results)
     quoted = [line for line in report.splitlines() if line.startswith(("|", "**", "- replay"))]
     missing = [line for line in quoted if line not in document]
-    assert not missing, f"{PAGE.name} differs from scripts/reanalyse_demo.py:\n" + "\n".join(missing[:5])
+    assert not missing, f"{PAGE.name} differs from experiments/reanalyse_demo.py:\n" + "\n".join(missing[:5])
     assert results["donor_verdict"] in (ROOT / "README.md").read_text()
 
 

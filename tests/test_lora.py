@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from graftmerge.adapter import import_hook
 from graftmerge.cli import main
+from graftmerge.demo.tiny_models import make_graft_inputs, save_tiny_model
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.lora_adapter import CONFIG_NAME, WEIGHTS_NAME, open_lora_adapter
@@ -31,7 +32,6 @@ from graftmerge.math import projection
 from graftmerge.math.low_rank import low_rank_rotate
 from graftmerge.math.scores import kfac_rotate
 from graftmerge.pipeline.lora_inputs import lora_delta_state_dict
-from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model
 from tests.helpers.configs import graft_config
 from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
 from tests.helpers.lora import PREFIX, load_model, make_adapter, peft_deltas

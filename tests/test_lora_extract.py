@@ -26,12 +26,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from graftmerge.cli import main
+from graftmerge.demo.tiny_models import ARCHITECTURES, make_graft_inputs
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.lora_adapter import CONFIG_NAME, WEIGHTS_NAME, open_lora_adapter
 from graftmerge.formats.lora_writer import LORA_MANIFEST_NAME
 from graftmerge.pipeline import delta_extract
-from graftmerge.testing.tiny_models import ARCHITECTURES, make_graft_inputs
 from tests.helpers.fisher_caches import write_diagonal_cache
 from tests.helpers.models import assert_identical, read_model
 from tests.helpers.runners import mergekit_yaml_model, one_line_error

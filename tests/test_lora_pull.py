@@ -20,11 +20,11 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
+from graftmerge.demo.tiny_models import make_graft_inputs
 from graftmerge.errors import GraftError
 from graftmerge.hub.kinds import DELTA_KINDS, LORA_ADAPTER
 from graftmerge.hub.pull import pull_first_kind
 from graftmerge.hub.push import push_artifact
-from graftmerge.testing.tiny_models import make_graft_inputs
 from tests.helpers.configs import graft_config
 from tests.helpers.fake_hub import offline, place_in_hf_cache
 from tests.helpers.lora import load_model, make_adapter, peft_deltas

@@ -14,8 +14,8 @@ import pytest
 import torch
 from mergekit.merge_methods import merge_state_dicts
 
+from graftmerge.demo.tiny_models import save_tiny_model
 from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.testing.tiny_models import save_tiny_model
 from tests.helpers.configs import graft_yaml
 from tests.helpers.fisher_caches import write_mixed_cache
 from tests.helpers.models import assert_identical, read_model

@@ -30,8 +30,8 @@ from graftmerge.hub.models import model_hub_id
 from graftmerge.pipeline.config_files import read_graft_config
 from graftmerge.pipeline.merge_cards import DataInputs, merge_card
 from graftmerge.pipeline.sweep_eval import Evaluation, Judge, run_sweep_eval
-from graftmerge.testing.hf_cache import place_in_hf_cache
 from tests.helpers.configs import graft_yaml
+from tests.helpers.hf_cache import place_in_hf_cache
 from tests.helpers.runners import forget_process_state, run_cli, run_process
 
 

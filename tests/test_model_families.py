@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from graftmerge.demo.tiny_models import make_graft_inputs
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
-from graftmerge.testing.tiny_models import make_graft_inputs
 from tests.helpers.configs import graft_yaml, task_arithmetic_yaml
 from tests.helpers.estimation import (
     accumulate,

@@ -1,4 +1,4 @@
-"""graftmerge.math.paired_tests against numeric integration, closed forms, simulation and brute force."""
+"""experiments.paired_tests against numeric integration, closed forms, simulation and brute force."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from graftmerge.math.paired_tests import (
+from experiments.paired_tests import (
     equivalence_bound,
     holm,
     paired_t,

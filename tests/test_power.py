@@ -1,4 +1,4 @@
-"""graftmerge.math.power: the noncentral t tail against scipy (where installed) and against simulation."""
+"""experiments.power: the noncentral t tail against scipy (where installed) and against simulation."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from graftmerge.math.paired_tests import student_t_sf
-from graftmerge.math.power import noncentral_t_sf, paired_t_power, seeds_needed, tost_power
+from experiments.paired_tests import student_t_sf
+from experiments.power import noncentral_t_sf, paired_t_power, seeds_needed, tost_power
 
 
 @pytest.mark.parametrize("df, c, ncp", [(2, 4.3, 1.0), (11, 2.593, 3.46), (30, 2.0, 2.5), (9, -1.0, 0.3), (5, 1.5, -1)])

@@ -20,9 +20,9 @@ import torch
 import yaml
 from mergekit.merge_methods import PerGroupValues, merge_state_dicts
 
+from graftmerge.demo.tiny_models import make_graft_inputs, save_tiny_model
 from graftmerge.errors import GraftError
 from graftmerge.formats.fisher_cache import open_fisher_cache
-from graftmerge.testing.tiny_models import make_graft_inputs, save_tiny_model
 from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
 from tests.helpers.models import assert_identical, read_model
 from tests.helpers.references import brute_force_graft

@@ -1,4 +1,4 @@
-"""scripts/smollm2_precondition.py on a tiny random Llama: end to end, the share against brute force,
+"""experiments/smollm2_precondition.py on a tiny random Llama: end to end, the share against brute force,
 the two fine-tunes' identical data, a resumed run, and bad input refused in one line.
 
 The real SmolLM2 measurement (11 min on 2 cores) is run by hand; these check that what it reports
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from graftmerge.demo.smollm2_precondition import (
+from experiments.demo.smollm2_precondition import (
     Recipe,
     completion_scores,
     data_order,
@@ -23,10 +23,10 @@ from graftmerge.demo.smollm2_precondition import (
     sort_examples,
     tokenize,
 )
+from experiments.paired_tests import paired_t
 from graftmerge.estimate.batching import pad_batch
 from graftmerge.estimate.rollouts import Rollout
 from graftmerge.formats.fisher_cache import open_fisher_cache
-from graftmerge.math.paired_tests import paired_t
 from tests.helpers.runners import load_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]

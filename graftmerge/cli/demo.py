@@ -11,9 +11,7 @@ prints what changed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -55,45 +53,23 @@ def write_prompts(path: Path, vocab_size: int, count: int = 8, seed: int = 0) ->
 
 @click.command("demo")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keep the generated models, cache and output here (default: a temporary folder; with "
-                   "--lm/--full: demo-out/lm or demo-out/lm-full).")
+              help="Keep the generated models, cache and output here (default: a temporary folder).")
 @click.option("--rho", type=float, default=0.01, show_default=True, help="Fraction of directions to protect.")
 @click.option("--weight", type=float, default=0.5, show_default=True, help="λ of the grafted delta.")
-@click.option("--lm", "size", flag_value="quick", default=None,
-              help="Instead: train a small LM here and compare SFT, OPSD and grafts, every choice made on "
-                   "validation (one seed, reduced grid, ≤ 5 min on 2 idle cores: it shows the recipe and cannot "
-                   "rank the methods).")
-@click.option("--full", "size", flag_value="full",
-              help="The pre-registered experiment (docs/demo-preregistration-2.md): the same LM, 12 seeds, a "
-                   "late and the end donor, replay none and own, the full grid (≤ 60 min on 2 idle cores).")
-@click.option("--tiny", "size", flag_value="tiny", hidden=True)
-@click.option("--replay", type=click.Choice(["none", "offpolicy", "own"]), default=None,
-              help="With --lm/--full: what is mixed into the new facts (1 per 5 new-fact sequences, ~17%): "
-                   "none, offpolicy (a related task in a teacher's format) or own (θpost's task A) "
-                   "[default: --lm own; --full none and own, each method's replay chosen on validation].")
-@click.option("--jobs", type=click.IntRange(0, 64), default=None,
-              help="With --lm/--full: worker processes of one torch thread each [default: CPU count, ≤ 4]. "
-                   "Results do not depend on it.")
-def demo(workdir: Path | None, rho: float, weight: float, size: str | None, replay: str | None,
-         jobs: int | None) -> None:
+@click.option("--lm", "moved", flag_value="--lm", default=None, hidden=True)
+@click.option("--full", "moved", flag_value="--full", hidden=True)
+def demo(workdir: Path | None, rho: float, weight: float, moved: str | None) -> None:
     """Run a tiny end-to-end graft on generated checkpoints and print what it did.
 
-    With --lm (or --full) it runs a small experiment instead: it trains its own Qwen3
-    (warmup-stable-decay pretraining with donors saved on the way, post-training that
-    creates an old task A), learns new facts by SFT of θpost, by fine-tuning donors and by
-    on-policy self-distillation, merges every update at the same λ × mask × ρ grid through
-    mergekit (masked SFT = a graft whose donor is θpost), picks every method's point on
-    validation by the rule of `graftmerge sweep --eval` (scored by the same Evaluator, from the
-    tasks.yml it writes) and reports test scores. Writes results.json, frontier plots and compute.png.
+    The small-LM experiment (formerly --lm, --full) is not installed: it lives in the
+    repository's experiments/ (``python -m experiments.demo --lm``).
     """
-    if (replay is not None or jobs is not None) and size is None:
-        raise GraftError("--replay and --jobs apply to the small-LM experiment: add --lm or --full")
-    if size is not None:
-        _lm_demo(workdir, size, replay, jobs)
-        return
+    if moved is not None:
+        raise GraftError(f"the small-LM experiment ({moved}) is not part of the installed package: from a checkout "
+                         f"of the repository run `python -m experiments.demo {moved}` (experiments/README.md)")
     # lazy: the estimator and the model generator load torch and transformers only when the demo runs
+    from graftmerge.demo.tiny_models import make_graft_inputs
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
-    from graftmerge.testing.tiny_models import make_graft_inputs
 
     import_hook.install()
     with tempfile.TemporaryDirectory(prefix="graftmerge-demo-") as scratch:
@@ -116,28 +92,6 @@ def demo(workdir: Path | None, rho: float, weight: float, size: str | None, repl
         _run_mergekit(config, out)
         _report(paths, out, root / "fisher-post-diag", weight)
         _suggest(config)
-
-
-def _lm_demo(workdir: Path | None, size: str, replay: str | None, jobs: int | None) -> None:
-    # lazy: transformers and the LM demo (torch, matplotlib) load only when --lm/--full runs
-    import transformers
-
-    from graftmerge.demo import lm_pipeline
-    from graftmerge.demo.lm_verdict import format_report
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    settings = {"quick": lm_pipeline.QUICK, "full": lm_pipeline.FULL, "tiny": lm_pipeline.TINY}[size]
-    if replay is not None:  # one replay instead of the registered ones
-        settings = dataclasses.replace(settings, replay=replay, replays=())
-    root = workdir or Path("demo-out") / ("lm-full" if size == "full" else "lm")
-    lm_pipeline.clear_previous_run(root)
-    jobs = min(os.cpu_count() or 1, 4) if jobs is None else jobs
-    replays = ", ".join(settings.replays) or settings.replay
-    click.echo(f"training a small LM and comparing SFT, OPSD and grafts in {root} (replay: {replays})")
-    results = lm_pipeline.run_lm_demo(settings, root, echo=click.echo, jobs=jobs)
-    click.echo(format_report(results))
-    click.echo(f"   results: {root / 'results.json'}, plots: {', '.join(results['plots'])}")
 
 
 def _minimal_model(root: Path) -> None:

@@ -12,5 +12,4 @@ eigenbasis        a factor's eigendecomposition, the eigenvalue clamp, the ortho
 low_rank          Δ̃ = c·(UᵀL)(RV) for a low-rank Δ = c·L·R (a LoRA), without the dense Δ
 fisher_average    θ = Σ w F̂ θ / Σ w F̂ (Fisher merging), and the plain weighted average
 regmean           Wᵀ = (Σ w G̃)⁻¹ Σ w G̃ Wᵀ (RegMean), in float64
-paired_tests      Student t, paired-t intervals, Holm, TOST (plain floats: an experiment's seeds)
 """

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from graftmerge.demo.tiny_models import save_tiny_model
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import FisherCacheWriter
-from graftmerge.testing.tiny_models import save_tiny_model
 from tests.helpers.fisher_caches import spd
 
 # name → (architecture, config overrides): Qwen3 with a tied head, Llama untied, GPT-2 (Conv1D)

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from graftmerge.demo.tiny_models import save_tiny_model
 from graftmerge.estimate.accumulator import FisherAccumulator
 from graftmerge.estimate.batching import pad_batch, plan_batches
 from graftmerge.estimate.rollouts import Rollout
-from graftmerge.testing.tiny_models import save_tiny_model
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 48, "vocab_size": 128}
 

@@ -10,7 +10,7 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 
-from graftmerge.testing.tiny_models import ARCHITECTURES
+from graftmerge.demo.tiny_models import ARCHITECTURES
 
 PREFIX = "base_model.model."
 

@@ -27,6 +27,7 @@ IN_PROCESS = {
     "mergekit-yaml": ("mergekit.scripts.run_yaml", "main"),
     "mergekit-multi": ("mergekit.scripts.multimerge", "main"),
     "graftmerge": ("graftmerge.cli", "main"),
+    "python -m experiments.demo": ("experiments.demo.cli", "demo"),  # the repository's experiment, not installed
 }
 
 
@@ -42,7 +43,8 @@ def forget_process_state() -> None:
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run a console script of this environment (mergekit-yaml, mergekit-multi, graftmerge)
+    """Run a console script of this environment (mergekit-yaml, mergekit-multi, graftmerge, or the
+    experiment's ``python -m experiments.demo``)
     in this process, through its click command, as if it were a fresh process.
 
     The graft import hook is installed here as graftmerge_hook.pth installs it at start-up.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from graftmerge.math.paired_tests import student_t_quantile
+from experiments.paired_tests import student_t_quantile
 
 _INTERVALS = 4000  # Simpson intervals over S; the integrand is smooth, so this is far below 1e-9 error
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graftmerge.demo.lm import cross_entropy
-from graftmerge.demo.world import EOS, PAD, Example
+from experiments.demo.lm import cross_entropy
+from experiments.demo.world import EOS, PAD, Example
 
 DIVERGENCES = ("forward", "reverse")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from graftmerge.testing.tiny_models import save_tiny_model
+from graftmerge.demo.tiny_models import save_tiny_model
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHAT_TEMPLATE = (

@@ -6,7 +6,7 @@ Fisher-prompt split; one graft config per (update snapshot, λ, mask, ρ), run i
 OPSD's updates are grafts whose donor is θpost itself (Δ = θft − θpost: SFT + merge, masked
 by the same code and the same Fisher); a donor fine-tune's is θft − θdonor. Every output is
 scored on the validation splits by :class:`graftmerge.evaluation.Evaluator` from the seed's
-tasks.yml (:mod:`graftmerge.demo.lm_tasks`), as ``graftmerge sweep --eval`` scores a grid
+tasks.yml (:mod:`experiments.demo.lm_tasks`), as ``graftmerge sweep --eval`` scores a grid
 point; only the points a method chooses are merged again and scored on test (and on the
 diagnostics: answer NLL, 8-way choice) by :func:`test_chosen`. ``graftmerge delta`` gives
 each update's norm and the share of F·Δ² on the top 1% Fisher coordinates (Fig. 8 right).
@@ -22,12 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from graftmerge.demo.lm import load_model, score
-from graftmerge.demo.lm_settings import DONORS, LmDemoSettings, Update, grid, replay_of
-from graftmerge.demo.lm_tasks import DIAGNOSTICS, TASKS, world_tokenizer
-from graftmerge.demo.lm_training import one_thread, seed_world
-from graftmerge.demo.lm_verdict import chosen_names
-from graftmerge.demo.world import Splits
+from experiments.demo.lm import load_model, score
+from experiments.demo.lm_settings import DONORS, LmDemoSettings, Update, grid, replay_of
+from experiments.demo.lm_tasks import DIAGNOSTICS, TASKS, world_tokenizer
+from experiments.demo.lm_training import one_thread, seed_world
+from experiments.demo.lm_verdict import chosen_names
+from experiments.demo.world import Splits
 from graftmerge.evaluation import Evaluator, load_tasks, role_scores
 from graftmerge.pipeline.delta_extract import extract_delta
 from graftmerge.pipeline.delta_report import compute_stats

@@ -25,19 +25,19 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from graftmerge.demo.lm import ModelSize
-from graftmerge.demo.lm_report import chosen_points
-from graftmerge.demo.lm_settings import FOLDER_AT, LmDemoSettings
-from graftmerge.demo.lm_training import seed_world
-from graftmerge.demo.world import ANSWER, Example, SplitSizes, World
-from graftmerge.errors import GraftError
-from graftmerge.math.paired_tests import (
+from experiments.demo.lm import ModelSize
+from experiments.demo.lm_report import chosen_points
+from experiments.demo.lm_settings import FOLDER_AT, LmDemoSettings
+from experiments.demo.lm_training import seed_world
+from experiments.demo.world import ANSWER, Example, SplitSizes, World
+from experiments.paired_tests import (
     PairedTest,
     equivalence_bound,
     holm,
     paired_t,
     student_t_quantile,
 )
+from graftmerge.errors import GraftError
 
 PRIOR = "value prior"
 POST = "θpost"
@@ -355,7 +355,7 @@ def shares_table(analysis: dict[str, Any]) -> list[str]:
 
 
 def markdown_report(analysis: dict[str, Any]) -> str:
-    """The corrected tables, as markdown (what `scripts/reanalyse_demo.py` prints)."""
+    """The corrected tables, as markdown (what `experiments/reanalyse_demo.py` prints)."""
     seeds = len(analysis["priors"])
     spread = (f"paired t on per-seed differences, 95 %, n = {seeds} seeds, {seeds - 1} degree(s) of freedom "
               f"(± {student_t_quantile(0.975, seeds - 1):.2f} standard errors)" if seeds > 1 else
@@ -365,7 +365,7 @@ def markdown_report(analysis: dict[str, Any]) -> str:
         '"inconclusive" = the interval contains 0. Intervals are not adjusted for '
         "multiplicity; the p in brackets is Holm-adjusted within its table. + / = / −: seeds where the "
         "difference is above, at or below 0. Every number below is recomputed from the run's JSON by "
-        "`scripts/reanalyse_demo.py`.",
+        "`experiments/reanalyse_demo.py`.",
         "",
         "### The value prior",
         "",

@@ -17,7 +17,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from graftmerge.demo.lm_settings import FOLDER_AT, LmDemoSettings
+from experiments.demo.lm_settings import FOLDER_AT, LmDemoSettings
 
 Point = dict[str, Any]
 EARLIER_DONORS = ("pre_anneal", "mid_anneal", "mid_post")

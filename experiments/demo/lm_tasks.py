@@ -21,7 +21,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from graftmerge.demo.world import ANSWER, ASSISTANT, EOS, RELATIONS, SPECIALS, USER, Example, Splits, World
+from experiments.demo.world import ANSWER, ASSISTANT, EOS, RELATIONS, SPECIALS, USER, Example, Splits, World
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

@@ -22,7 +22,7 @@ import torch
 import transformers
 from torch import nn
 
-from graftmerge.demo.world import BOS, EOS, PAD, Example
+from experiments.demo.world import BOS, EOS, PAD, Example
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ two deltas per seed and reports the paired difference, nothing more:
 
 - donor = SmolLM2-135M-Instruct, imported from its GGUF;
 - θpost = the donor after a brief full fine-tune (every parameter) on a narrow task, sorting
-  four words alphabetically (why this task: graftmerge/demo/smollm2_precondition.py);
+  four words alphabetically (why this task: experiments/demo/smollm2_precondition.py);
 - F = θpost's diagonal Fisher from the real ``graftmerge fisher estimate --prompts`` on
   θpost's own sampled replies to held-apart sorting prompts (whole model, no --modules);
 - per seed: invented facts (a different draw per seed), learned by one recipe (same steps, lr,
@@ -29,9 +29,9 @@ exact-answer rate before and after are recorded, so a reader sees whether both l
 comparably. Every stage is cached in --workdir: a rerun resumes after the last finished stage (a
 changed setting is refused; use another --workdir).
 
-    HF_HUB_OFFLINE=1 nice -n 10 .venv/bin/python scripts/smollm2_precondition.py \\
+    HF_HUB_OFFLINE=1 nice -n 10 .venv/bin/python -m experiments.smollm2_precondition \\
         --workdir runs/precondition --seeds 0,1,2
-    .venv/bin/python scripts/smollm2_precondition.py --workdir /tmp/p --tiny   # seconds, random tiny Llama
+    .venv/bin/python -m experiments.smollm2_precondition --workdir /tmp/p --tiny   # seconds, random tiny Llama
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 import graftmerge
-from graftmerge.demo.smollm2_precondition import (
+from experiments.demo.smollm2_precondition import (
     Recipe,
     chat_records,
     data_order,
@@ -63,8 +63,8 @@ from graftmerge.demo.smollm2_precondition import (
     train,
     write_json,
 )
+from experiments.paired_tests import paired_t
 from graftmerge.errors import GraftError
-from graftmerge.math.paired_tests import paired_t
 
 # setting → (default, --tiny default); a value given on the command line wins over both.
 DEFAULTS = {
@@ -185,14 +185,14 @@ def _donor(work: Path, tiny: bool) -> Path:
     if (donor / "config.json").exists():
         return donor
     if tiny:
-        from graftmerge.testing.tiny_tokenizer import save_tiny_chat_model
+        from tests.helpers.tiny_tokenizer import save_tiny_chat_model
 
         hf_logging.disable_progress_bar()
         save_tiny_chat_model(donor, architecture="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=48,
                              num_attention_heads=4, num_key_value_heads=2)
         return donor
     from graftmerge.formats.gguf_import import import_gguf
-    from graftmerge.testing.smollm2 import smollm2_gguf
+    from tests.helpers.smollm2_facts import smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:

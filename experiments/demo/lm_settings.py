@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graftmerge.demo.lm import ModelSize
-from graftmerge.demo.world import SplitSizes
+from experiments.demo.lm import ModelSize
+from experiments.demo.world import SplitSizes
 
 # where donors are saved: fraction of pretraining (the anneal starts at decay_start), or of post-training
 DONORS = ("pre_anneal", "mid_anneal", "late", "end", "mid_post")

@@ -6,10 +6,10 @@ every paired difference, the value-prior baseline per seed, the paper's own base
 (unmasked OPSD + merge included) and where the chosen λ and ρ sit in the grid; --plot
 writes the figure (Pareto frontiers, chosen points and differences with intervals).
 A registration-2 run (`"registration": 2`, docs/demo-preregistration-2.md) recorded its own
-intervals, gates and verdicts: for it the script lays those out (graftmerge.demo.lm_results_2)
+intervals, gates and verdicts: for it the script lays those out (experiments.demo.lm_results_2)
 and recomputes nothing.
 
-    .venv/bin/python scripts/reanalyse_demo.py docs/results/demo-full-results.json \\
+    .venv/bin/python -m experiments.reanalyse_demo docs/results/demo-full-results.json \\
         --tables /tmp/tables.md --plot docs/results/demo-full-results.png
 """
 
@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from graftmerge.demo import lm_results_2
-from graftmerge.demo.lm_plots import results_figure
-from graftmerge.demo.lm_reanalysis import markdown_report, reanalyse
+from experiments.demo import lm_results_2
+from experiments.demo.lm_plots import results_figure
+from experiments.demo.lm_reanalysis import markdown_report, reanalyse
 from graftmerge.errors import GraftError
 from graftmerge.formats.json_file import load_json_file
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import transformers
 
-from graftmerge.demo.lm import (
+from experiments.demo.lm import (
     TrainLog,
     TrainSettings,
     build_model,
@@ -31,10 +31,10 @@ from graftmerge.demo.lm import (
     steps_per_epoch,
     train,
 )
-from graftmerge.demo.lm_settings import LmDemoSettings, Update, replay_of
-from graftmerge.demo.lm_tasks import world_tokenizer, write_task_files
-from graftmerge.demo.opsd import SamplingClock, distillation_loss
-from graftmerge.demo.world import OLD_TASK, Example, Splits, World, make_splits
+from experiments.demo.lm_settings import LmDemoSettings, Update, replay_of
+from experiments.demo.lm_tasks import world_tokenizer, write_task_files
+from experiments.demo.opsd import SamplingClock, distillation_loss
+from experiments.demo.world import OLD_TASK, Example, Splits, World, make_splits
 
 Progress = Callable[[int], None]
 

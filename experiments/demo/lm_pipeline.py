@@ -26,17 +26,17 @@ from typing import Any
 
 from tqdm import tqdm
 
-from graftmerge.demo.lm_evaluate import canonical_order, describe_seed, fisher_job, merge_part, score_chosen_on_test
-from graftmerge.demo.lm_plots import plot_frontiers_of_first_seed
-from graftmerge.demo.lm_report import plot_compute
-from graftmerge.demo.lm_settings import FULL, QUICK, TINY, LmDemoSettings, Update, grid, updates
-from graftmerge.demo.lm_training import (
+from experiments.demo.lm_evaluate import canonical_order, describe_seed, fisher_job, merge_part, score_chosen_on_test
+from experiments.demo.lm_plots import plot_frontiers_of_first_seed
+from experiments.demo.lm_report import plot_compute
+from experiments.demo.lm_settings import FULL, QUICK, TINY, LmDemoSettings, Update, grid, updates
+from experiments.demo.lm_training import (
     one_thread,
     pretrain_and_post_train,
     train_update,
     update_steps,
 )
-from graftmerge.demo.lm_verdict import summarize
+from experiments.demo.lm_verdict import summarize
 
 __all__ = ["FULL", "QUICK", "TINY", "clear_previous_run", "run_lm_demo"]
 

@@ -1,4 +1,4 @@
-"""The pieces of ``scripts/smollm2_precondition.py``: data, one training recipe, teacher-forced scores.
+"""The pieces of ``experiments/smollm2_precondition.py``: data, one training recipe, teacher-forced scores.
 
 The measurement (issue 25, part 3) asks whether a *donor*'s fine-tune writes less
 Fisher-weighted update mass onto θpost's most sensitive coordinates than the same

@@ -17,12 +17,12 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from graftmerge.demo.lm_reanalysis import POST, per_seed, reanalyse
-from graftmerge.demo.lm_report import families, plot_compute
-from graftmerge.demo.lm_settings import LmDemoSettings
-from graftmerge.demo.lm_verdict import DONOR_QUESTION, choose_point, member_table
+from experiments.demo.lm_reanalysis import POST, per_seed, reanalyse
+from experiments.demo.lm_report import families, plot_compute
+from experiments.demo.lm_settings import LmDemoSettings
+from experiments.demo.lm_verdict import DONOR_QUESTION, choose_point, member_table
+from experiments.paired_tests import paired_t
 from graftmerge.math.frontier import pareto_frontier
-from graftmerge.math.paired_tests import paired_t
 from graftmerge.pipeline.frontier_plot import PlotPoint
 from graftmerge.pipeline.frontier_plot import plot_frontier as plot_sweep_frontier
 

@@ -26,10 +26,10 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from graftmerge.demo.lm_report import compute_table, families, sensitivity, spread
-from graftmerge.demo.lm_settings import FOLDER_AT, LmDemoSettings
+from experiments.demo.lm_report import compute_table, families, sensitivity, spread
+from experiments.demo.lm_settings import FOLDER_AT, LmDemoSettings
+from experiments.paired_tests import holm, paired_t, tost
 from graftmerge.math.frontier import choose
-from graftmerge.math.paired_tests import holm, paired_t, tost
 
 Point = dict[str, Any]
 ALPHA = 0.05

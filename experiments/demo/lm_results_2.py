@@ -1,7 +1,7 @@
 """Registration 2's results page and figure, drawn from a finished run's results.json alone.
 
 Nothing here decides anything: the choices, the gates, every question's tests and the
-verdicts are the ones the run computed and recorded (:func:`graftmerge.demo.lm_verdict.summarize`);
+verdicts are the ones the run computed and recorded (:func:`experiments.demo.lm_verdict.summarize`);
 this module lays them out as markdown tables and one figure for ``docs/``. Confidence
 intervals on chosen points are one-sample 95 % t intervals over seeds; on differences they
 are the recorded paired ones.
@@ -23,11 +23,11 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from graftmerge.demo.lm_plots import colour_of, masked, pareto_front
-from graftmerge.demo.lm_reanalysis import settings_from_json
-from graftmerge.demo.lm_verdict import member_table
+from experiments.demo.lm_plots import colour_of, masked, pareto_front
+from experiments.demo.lm_reanalysis import settings_from_json
+from experiments.demo.lm_verdict import member_table
+from experiments.paired_tests import paired_t, student_t_quantile
 from graftmerge.errors import GraftError
-from graftmerge.math.paired_tests import paired_t, student_t_quantile
 
 TOLERANCE_COLOURS = ("tab:blue", "tab:green", "tab:olive")
 CONFIGURATION = ("family", "replay", "learning_rate", "epochs", "lam", "mask", "rho")
@@ -157,13 +157,13 @@ def edges_line(results: dict[str, Any]) -> str:
 
 
 def markdown_report(results: dict[str, Any]) -> str:
-    """Every table of the results page (what `scripts/reanalyse_demo.py` prints for a registration-2 run)."""
+    """Every table of the results page (what `experiments/reanalyse_demo.py` prints for a registration-2 run)."""
     seeds = len(results["seeds"])
     spread = (f"95 % t intervals over n seeds (n − 1 degrees of freedom; ± {student_t_quantile(0.975, seeds - 1):.2f}"
               " standard errors at n = {seeds})".replace("{seeds}", str(seeds)) if seeds > 1 else "none (one seed)")
     lines = [f"Seeds: {', '.join(map(str, sorted(results['seeds'], key=int)))}. Intervals: {spread}; the verdicts, "
              "gates and choices are the ones the run recorded. Tables generated from the run's results.json by "
-             "`scripts/reanalyse_demo.py`.", ""]
+             "`experiments/reanalyse_demo.py`.", ""]
     lines += verdict_lines(results)
     lines += ["", "### Gates", ""] + gates_table(results)
     lines += ["", "### Every registered question", ""] + questions_table(results)

@@ -1,1 +1,0 @@
-"""Models for tests, benchmarks and demos: generated tiny checkpoints and the SmolLM2 fixture."""
