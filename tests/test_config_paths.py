@@ -19,11 +19,11 @@ from mergekit.options import MergeOptions
 from transformers import AutoModelForCausalLM
 
 from graftmerge.adapter import import_hook
+from graftmerge.demo.tiny_models import save_tiny_model
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.pipeline.config_files import read_graft_config
 from graftmerge.pipeline.config_paths import anchored_config, anchored_reference
 from graftmerge.pipeline.sweep_eval import Evaluation, Judge, run_sweep_eval
-from graftmerge.testing.tiny_models import save_tiny_model
 from tests.helpers.runners import forget_process_state, run_cli
 
 
