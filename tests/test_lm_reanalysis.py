@@ -26,7 +26,7 @@ from graftmerge.errors import GraftError
 from tests.helpers.runners import load_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "reanalyse_demo.py"
+SCRIPT = ROOT / "experiments" / "reanalyse_demo.py"
 
 
 def recorded(name: str) -> Path:

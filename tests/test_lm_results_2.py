@@ -15,7 +15,7 @@ from experiments.paired_tests import holm, paired_t, tost
 from tests.helpers.runners import load_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "reanalyse_demo.py"
+SCRIPT = ROOT / "experiments" / "reanalyse_demo.py"
 RECORD = ROOT / "docs" / "results" / "demo-full-2-results.json"
 PAGE = ROOT / "docs" / "demo-results-2.md"
 

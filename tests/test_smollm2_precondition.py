@@ -30,7 +30,7 @@ from graftmerge.formats.fisher_cache import open_fisher_cache
 from tests.helpers.runners import load_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "smollm2_precondition.py"
+SCRIPT = ROOT / "experiments" / "smollm2_precondition.py"
 SEEDS = (0, 1)
 
 

@@ -87,8 +87,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_script(path: Path):
-    """A script of ``scripts/`` loaded as a module in this process (its ``main`` takes argv): bad inputs
-    checked without paying a new process each."""
+    """A script of ``scripts/`` or ``experiments/`` loaded as a module in this process (its ``main`` takes
+    argv): bad inputs checked without paying a new process each."""
     spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -96,10 +96,15 @@ def load_script(path: Path):
 
 
 def run_script(path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """A script of ``scripts/`` as a user runs it: a real process, this checkout importable, offline."""
+    """A script as a user runs it: a real process, this checkout importable, offline. One inside a
+    package (``experiments/``) runs as its module, ``python -m experiments.<name>``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    if (path.parent / "__init__.py").exists():
+        command = ["-m", ".".join(path.relative_to(ROOT).with_suffix("").parts)]
+    else:
+        command = [str(path)]
+    return subprocess.run([sys.executable, *command, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
 
 
 def mergekit_yaml_model(tmp_path: Path, config: str, name: str) -> dict[str, torch.Tensor]:
