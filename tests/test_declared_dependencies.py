@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-tomllib = pytest.importorskip("tomllib")
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: huggingface_hub installs tomli there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "graftmerge"
