@@ -17,6 +17,7 @@ outside it) is refused: no mapping would mean the same as the others.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 from graftmerge.errors import GraftError
 from graftmerge.evaluation.tasks import Task, TaskSuite
@@ -51,12 +52,22 @@ def role_scores(suite: TaskSuite, scores: dict[str, dict[str, float]], split: st
 
     Tasks without a score on ``split`` are left out; a role with no scored task is left out.
     """
-    sums: dict[str, float] = {}
-    weights: dict[str, float] = {}
+    terms: dict[str, list[tuple[float, float]]] = {}
     for task in suite.tasks:
         value = scores.get(task.name, {}).get(split)
-        if value is None:
-            continue
-        sums[task.role] = sums.get(task.role, 0.0) + task.weight * normalised(task, value)
-        weights[task.role] = weights.get(task.role, 0.0) + task.weight
-    return {role: sums[role] / weights[role] for role in ("old", "new") if role in weights}
+        if value is not None:
+            terms.setdefault(task.role, []).append((task.weight, normalised(task, value)))
+    return {role: weighted_mean(terms[role]) for role in ("old", "new") if role in terms}
+
+
+def weighted_mean(terms: list[tuple[float, float]]) -> float:
+    """Σ weight·value / Σ weight of (weight, value) pairs, correctly rounded; NaN if a value is NaN.
+
+    Computed in exact rational arithmetic and rounded once: any positive finite weights
+    (1e308 twice, whose float sum overflows; denormals like 5e-324, whose float products
+    vanish) give the mean the weights mean, never inf, NaN or 0.
+    """
+    if any(math.isnan(value) for _, value in terms):
+        return math.nan
+    total = sum(Fraction(weight) for weight, _ in terms)
+    return float(sum(Fraction(weight) * Fraction(value) for weight, value in terms) / total)

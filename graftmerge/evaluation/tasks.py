@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import yaml
 
 from graftmerge.errors import GraftError
 from graftmerge.estimate.rollouts import read_jsonl
+from graftmerge.pipeline.config_files import load_yaml_file
 
 ROLES = ("old", "new")
 METRICS = ("exact", "contains", "nll", "choice", "lm_eval")
@@ -152,37 +153,24 @@ def _read_task_entries(path: Path) -> list[tuple[dict, dict[str, int]]]:
     if not path.is_file():
         raise GraftError(f"tasks file {path} does not exist" if not path.exists()
                          else f"tasks file {path} is not a file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise GraftError(f"tasks file {path} is not UTF-8 text (byte {error.start})") from error
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        document = loader.construct_document(node) if node is not None else None
-    except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark or error.context_mark
-        line = f":{mark.line + 1}" if mark else ""
-        raise GraftError(f"{path}{line}: not valid YAML ({error.problem or error.context})") from error
-    except yaml.YAMLError as error:
-        raise GraftError(f"{path}: not valid YAML ({error})") from error
-    finally:
-        loader.dispose()
+    document, node, _ = load_yaml_file(str(path), "tasks file")
     if not isinstance(document, dict) or "tasks" not in document:
         raise GraftError(f"{path}: expected a mapping with a `tasks:` list")
-    extra = sorted(set(document) - {"tasks"})
+    extra = sorted(set(document) - {"tasks"}, key=repr)
     if extra:
         raise GraftError(f"{path}: unknown top-level field {extra[0]!r} (only `tasks:` is allowed)")
     items = document["tasks"]
     if not isinstance(items, list) or not items:
         raise GraftError(f"{path}: `tasks:` must be a non-empty list")
-    item_nodes = next(value for key, value in node.value if key.value == "tasks").value
+    listed = next((value for key, value in node.value if key.value == "tasks"), None)  # absent: from a << merge
+    item_nodes = listed.value if isinstance(listed, yaml.SequenceNode) else [node] * len(items)
     entries = []
     for item, item_node in zip(items, item_nodes):
         entry_line = item_node.start_mark.line + 1
         if not isinstance(item, dict):
             raise GraftError(f"{path}:{entry_line}: each task must be a mapping (name:, role:, data:, metric:)")
-        lines = {key.value: key.start_mark.line + 1 for key, _ in item_node.value}
+        pairs = item_node.value if isinstance(item_node, yaml.MappingNode) else []
+        lines = {key.value: key.start_mark.line + 1 for key, _ in pairs if isinstance(key, yaml.ScalarNode)}
         entries.append((item, {"": entry_line, **lines}))
     return entries
 
@@ -234,8 +222,11 @@ def _parse_task(entry: dict, lines: dict[str, int], path: Path) -> Task:
 def _task_options(entry: dict, fail, label: str) -> dict[str, Any]:
     """weight, system and max_new_tokens of an entry, checked."""
     weight = entry.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
-        raise fail("weight", f"{label}: weight must be a positive number, got {weight!r}")
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= sys.float_info.max:
+        shown = f"an integer of {len(str(abs(weight)))} digits" if isinstance(weight, int) and abs(weight) > 1e20 \
+            else repr(weight)
+        raise fail("weight", f"{label}: weight must be a positive number of at most {sys.float_info.max:.4g}, "
+                             f"got {shown}")
     system = entry.get("system")
     if system is not None and (not isinstance(system, str) or not system):
         raise fail("system", f"{label}: system must be a non-empty string")
