@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import subprocess
 import sys
@@ -248,6 +249,23 @@ def test_the_tiny_llama_the_refusals_start_from_imports(tmp_path):
     assert weights["model.layers.0.mlp.down_proj.weight"].shape == (WIDTH, FFN)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["num_hidden_layers"] == 1 and "auto_map" not in config
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_imported_files_have_a_normal_files_modes(tmp_path, umask):
+    """Weights as readable as the folder's other files and a Hub download's: 0666 / 0777 less the umask
+    (safetensors alone writes its shards owner-only)."""
+    file = llama_file(tmp_path / "tiny.gguf", llama_metadata() + tokenizer_metadata())
+    previous = os.umask(umask)
+    try:
+        result = run_cli("graftmerge", "import-gguf", str(file), "-o", str(tmp_path / "out"))
+    finally:
+        os.umask(previous)
+    assert result.returncode == 0, result.stderr[-3000:]
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in (tmp_path / "out").iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes) and "tokenizer.json" in modes
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
 
 
 def test_overwrite_refuses_a_symlink_at_the_output(tmp_path):

@@ -32,7 +32,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.gguf_header import GgufLayout, check_model_tensors, open_gguf
-from graftmerge.formats.output_folder import NEW, OVERWRITE, Inputs, OutputFolder, check_not_inputs
+from graftmerge.formats.output_folder import NEW, OVERWRITE, Inputs, OutputFolder, check_not_inputs, usual_modes
 from graftmerge.formats.transformers_logging import quiet_transformers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -215,6 +215,7 @@ def import_gguf(
             model.save_pretrained(staging, max_shard_size=max_shard_size)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
+            usual_modes(staging)  # safetensors' shards are owner-only; a Hub download's are not
         except OSError as error:
             raise GraftError(f"cannot write {out}: {_first_line(error)}") from error
     return out

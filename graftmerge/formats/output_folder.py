@@ -340,6 +340,23 @@ def _remove_stale_markers(out: Path) -> None:
             _unlink(Path(entry.path))
 
 
+def usual_modes(staging: Path) -> None:
+    """The staged folder and the files directly in it given a normal file's modes: 0666 / 0777 less the umask.
+
+    safetensors writes its files readable by the owner only (and transformers' ``save_pretrained``
+    with it), unlike the other files of the folder and unlike a Hub download; a folder meant
+    for sharing (an imported model, a delta) gets what a plain ``open()`` would have given.
+    A file with several links (shared with a file outside this folder) is left as it is.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in staging.iterdir():
+        info = file.lstat()
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+            os.chmod(file, 0o666 & ~umask)
+    os.chmod(staging, 0o777 & ~umask)
+
+
 def check_parent(out: Path) -> None:
     """GraftError when OUT's parent is writable by anyone and has no sticky bit (others could plant leftovers)."""
     try:

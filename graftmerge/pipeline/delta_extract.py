@@ -51,7 +51,7 @@ from graftmerge.formats.lora_writer import (
     model_layers,
     write_lora_adapter,
 )
-from graftmerge.formats.output_folder import NEW, OutputFolder, check_not_inputs
+from graftmerge.formats.output_folder import NEW, OutputFolder, check_not_inputs, usual_modes
 from graftmerge.hub.cache_layout import snapshot_origin
 from graftmerge.hub.merge_cards import render_adapter_card
 from graftmerge.hub.untrusted import read_json_bytes, without_remote_code
@@ -126,7 +126,7 @@ def extract_delta(
             _copy_config(donor_checkpoint.folder / "config.json", staging / "config.json")
         (staging / (MANIFEST_NAME + ".tmp")).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         os.replace(staging / (MANIFEST_NAME + ".tmp"), staging / MANIFEST_NAME)
-        _make_shareable(staging)
+        usual_modes(staging)  # a delta is for sharing
         folder.publish()
     finally:
         folder.close()
@@ -197,15 +197,6 @@ def _copy_config(source: Path, target: Path) -> None:
     """
     where = f"donor config {source}"
     target.write_bytes(without_remote_code(read_json_bytes(source, where), where)[0])
-
-
-def _make_shareable(staging: Path) -> None:
-    """Give the staged files and folder the umask's usual permissions: a delta is for sharing."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for file in staging.iterdir():  # safetensors writes shards owner-only; a delta is for sharing
-        os.chmod(file, 0o666 & ~umask)
-    os.chmod(staging, 0o777 & ~umask)
 
 
 def _delta_tensor(donor: Checkpoint, donor_ft: Checkpoint, name: str, weight: float) -> torch.Tensor:
@@ -279,7 +270,7 @@ def extract_lora(
         _write_adapter_card(folder.staging, manifest, donor_checkpoint.folder, ft_checkpoint.folder)
         (folder.staging / (LORA_MANIFEST_NAME + ".tmp")).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         os.replace(folder.staging / (LORA_MANIFEST_NAME + ".tmp"), folder.staging / LORA_MANIFEST_NAME)
-        _make_shareable(folder.staging)
+        usual_modes(folder.staging)  # an adapter is for sharing
         folder.publish()
     finally:
         folder.close()
