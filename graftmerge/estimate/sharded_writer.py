@@ -24,6 +24,7 @@ from graftmerge import __version__
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint, hf_cache_origin
 from graftmerge.formats.fisher_cache import DEFAULT_SHARD_BYTES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
+from graftmerge.formats.model_content import weights_sha256
 from graftmerge.math.eigenbasis import clamp_eigenvalues, symmetric_eigenbasis
 
 
@@ -101,6 +102,7 @@ def model_record(model: Path, source: str | None, revision: str | None) -> dict[
         "source": source or guessed_source or str(checkpoint.folder.resolve()),
         "revision": revision or guessed_revision,
         "tensors": checkpoint.fingerprint(),
+        "weights_sha256": weights_sha256(checkpoint),
     }
 
 

@@ -35,6 +35,7 @@ from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import (
     Checkpoint,
     FileIdentity,
+    TensorSource,
     file_identity,
     hf_cache_origin,
     read_safetensors_layout,
@@ -43,8 +44,9 @@ from graftmerge.formats.checkpoint import (
 from graftmerge.formats.file_hash import file_sha256
 from graftmerge.formats.json_file import load_json_file
 from graftmerge.formats.manifest_schema import check_fisher_manifest
+from graftmerge.formats.model_content import weights_sha256
 from graftmerge.formats.output_folder import NEW, OVERWRITE, Inputs, OutputFolder, check_not_inputs
-from graftmerge.formats.user_cache import PassedChecks
+from graftmerge.formats.user_cache import PassedChecks, warn_once
 from graftmerge.math.eigenbasis import (
     ORTHONORMAL_TOLERANCE,
     check_orthonormal,
@@ -157,6 +159,7 @@ class FisherCacheWriter:
                 "source": source or guessed_source or str(checkpoint.folder.resolve()),
                 "revision": revision or guessed_revision,
                 "tensors": self._model_tensors,
+                "weights_sha256": weights_sha256(checkpoint),
             }
         self.estimator = dict(estimator or {})
         self.counts = dict(counts or {})
@@ -627,6 +630,34 @@ class FisherCache:
         for name in self.entries:
             if name not in actual and not partial:
                 raise GraftError(f"Fisher cache {self.path} has an entry for unknown tensor {name!r}")
+
+    def check_same_weights(self, checkpoint: TensorSource) -> None:
+        """Refuse a cache estimated on other weights than ``checkpoint``'s, by content, wherever either lies.
+
+        A model folder's tensors are hashed (``formats.model_content``, remembered per unchanged
+        file) and compared with the manifest's ``model.weights_sha256``: the same weights in
+        another folder or a Hub snapshot pass, a fine-tune of the same shapes is refused. What
+        cannot be compared is said in one warning and checked by names and shapes only: tensors
+        in memory, a cache written before the digest was recorded, a copy cast to other dtypes.
+        """
+        if not isinstance(checkpoint, Checkpoint):
+            return
+        recorded = self.manifest["model"].get("weights_sha256")
+        if recorded is None:
+            warn_once(f"Fisher cache {self.path} records no digest of its model's weights (written by an older "
+                      f"graftmerge): only names and shapes tell it fits {checkpoint.label}; re-estimate it to have "
+                      "the weights checked")
+            return
+        cast = sorted(n for n, info in checkpoint.tensors.items() if info.dtype != self.model_tensors[n]["dtype"])
+        if cast:
+            warn_once(f"{checkpoint.label} stores {cast[0]!r} as {checkpoint.tensors[cast[0]].dtype}, the model of "
+                      f"Fisher cache {self.path} as {self.model_tensors[cast[0]]['dtype']}: a cast copy cannot be "
+                      "compared by content, so only names and shapes were checked")
+            return
+        if weights_sha256(checkpoint) != recorded:
+            raise GraftError(f"Fisher cache {self.path} was estimated on other weights than {checkpoint.label} "
+                             "(same tensor names and shapes, other values: a fine-tune or another model); use the "
+                             "cache estimated on this model, or estimate one with `graftmerge fisher estimate`")
 
     def pinned(self) -> dict[Path, FileIdentity]:
         """The manifest and every shard, with their identities when they were read (``file_identity``)."""

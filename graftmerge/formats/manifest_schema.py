@@ -94,8 +94,11 @@ def check_fisher_manifest(manifest: dict[str, Any], where: str) -> dict[str, tup
     kind = field(manifest, "kind", str, where, "kind")
     if kind not in FISHER_KINDS:
         raise GraftError(f"{where}: corrupt manifest (`kind` is {_shown(kind)}, not one of {', '.join(FISHER_KINDS)})")
-    model_shapes = check_tensor_records(field(field(manifest, "model", dict, where, "model"), "tensors", dict, where,
-                                              "model.tensors"), where, "model.tensors")
+    model = field(manifest, "model", dict, where, "model")
+    model_shapes = check_tensor_records(field(model, "tensors", dict, where, "model.tensors"), where, "model.tensors")
+    weights = model.get("weights_sha256")
+    if weights is not None and not (isinstance(weights, str) and re.fullmatch(r"[0-9a-f]{64}", weights)):
+        raise GraftError(f"{where}: corrupt manifest (`model.weights_sha256` is {_shown(weights)}, not a hex sha256)")
     entries = field(manifest, "entries", dict, where, "entries")
     factors = manifest.get("factors", {})
     if not isinstance(factors, dict):

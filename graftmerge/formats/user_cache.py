@@ -54,6 +54,11 @@ def _warn(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr)
 
 
+def warn_once(message: str) -> None:
+    """``warning: message`` on stderr, once per process: for checks that are skipped, not failed."""
+    _warn(message)
+
+
 def _own_folder(fd: int) -> bool:
     """Whether an opened folder belongs to this user (a folder someone else owns is never used)."""
     return os.fstat(fd).st_uid == os.geteuid()

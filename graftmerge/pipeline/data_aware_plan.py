@@ -175,12 +175,17 @@ def open_caches(plan: DataAwarePlan, models: list[TensorSource]) -> list[FisherC
 
 
 def check_cache_model(cache: FisherCache, model: TensorSource, item: DataAwareInput, partial: bool = False) -> None:
-    """The cache was made for this model: same tensor names and shapes (the cache's fingerprint), and, where the
-    cache records where its model was, that place is this model's (a local folder, or a Hub repo and revision)."""
+    """The cache was made for this model: same tensor names and shapes (the cache's fingerprint), and the same
+    weights by content (``FisherCache.check_same_weights``), wherever the model lies. A cache from before content
+    digests were recorded falls back to where it records its model was (a local folder, or a Hub repo and
+    revision), with a warning."""
     cache.check_fits(model, partial=partial)
     if item.folder is None:
         return
+    cache.check_same_weights(model)  # by content; without a recorded digest it warns, and the place is checked
     recorded = cache.manifest["model"]
+    if recorded.get("weights_sha256") is not None:
+        return
     source, revision = recorded.get("source"), recorded.get("revision")
     if isinstance(source, str) and os.path.isabs(source) and os.path.isdir(source):
         if not os.path.samefile(source, item.folder):

@@ -229,6 +229,7 @@ class GraftInputs:
         if plan.masked:
             fisher = open_fisher_cache(resolve_fisher_folder(plan.fisher))
             fisher.check_fits(post, partial=partial)
+            fisher.check_same_weights(post)  # by content: a fine-tune of the same shapes is refused
             _check_kfac_sizes(fisher, post)
             if plan.mask == "kfac" and not fisher.names("kfac"):
                 raise GraftError(f"mask: kfac, but Fisher cache {plan.fisher} has no KFAC entries (kind {fisher.kind})")
