@@ -61,7 +61,7 @@ def with_caches(root, models, names, method="regmean", weights=(1.0, 1.0), **par
 
 
 CASES = {
-    "cache of the other fine-tune": (("f1", "f0"), "fisher", {}, "was made for the model in"),
+    "cache of the other fine-tune": (("f1", "f0"), "fisher", {}, "was estimated on other weights than"),
     "cache of a model of another shape": (("f0", "f-other"), "fisher", {}, "was made for another model"),
     "cache that does not exist": (("f0", "nowhere"), "fisher", {}, "does not exist"),
     "alpha above 1": (("f0", "f1"), "regmean", {"alpha": 1.5}, "alpha must be a number in [0, 1]"),

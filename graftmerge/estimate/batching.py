@@ -79,3 +79,9 @@ def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 def batches_of_rank(plan: list[list[int]], rank: int, world_size: int) -> list[list[int]]:
     """Round-robin shard of the plan: batch i goes to rank i mod K (balanced token counts)."""
     return plan[rank::world_size]
+
+
+def planned_counts(rollouts: Sequence[Rollout], batches: Sequence[Sequence[int]]) -> tuple[int, int, int]:
+    """(sequences, tokens, completion tokens) that ``batches`` add to the sums: what a checkpoint after them holds."""
+    chosen = [rollouts[i] for batch in batches for i in batch]
+    return len(chosen), sum(r.length for r in chosen), sum(len(r.completion_ids) for r in chosen)

@@ -9,6 +9,8 @@ place, manifest last, replacing an existing cache whole: ``formats.output_folder
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -24,7 +26,7 @@ from graftmerge import __version__
 from graftmerge.errors import GraftError
 from graftmerge.estimate import checkpointing, distributed
 from graftmerge.estimate.accumulator import FisherAccumulator
-from graftmerge.estimate.batching import batches_of_rank, pad_batch, plan_batches
+from graftmerge.estimate.batching import batches_of_rank, pad_batch, plan_batches, planned_counts
 from graftmerge.estimate.model_loading import causal_lm_config, load_causal_lm, tokenizer_loader
 from graftmerge.estimate.rollouts import (
     Rollout,
@@ -43,9 +45,14 @@ from graftmerge.estimate.sampling import (
 )
 from graftmerge.formats.file_hash import file_sha256
 from graftmerge.formats.fisher_cache import FisherCacheWriter
+from graftmerge.formats.model_content import model_fingerprint
 from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder
 
 ACCUMULATOR_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+SAMPLING_SETTINGS = ("samples_per_prompt", "max_new_tokens", "temperature", "top_p", "seed", "sample_batch_size",
+                     "dtype", "attn_implementation", "fsdp")
+SUM_SETTINGS = ("kind", "modules", "batch_size", "dtype", "accumulator_dtype", "attn_implementation", "truncate",
+                "fsdp")
 
 
 @dataclass
@@ -112,16 +119,18 @@ def _sample_rollouts(
     model,
     tokenizer: Callable[[], Any],
     ranks: distributed.Ranks,
-    saved: Path,
+    kept: Path | None,
     finish: Callable[[], None] | None = None,
 ) -> list[Rollout]:
     """Sample this rank's share of prompts; everyone gets all rollouts in prompt order.
 
+    ``kept``: the samples a checkpoint kept, already checked to be this run's
+    (``checkpointing.kept_rollouts``); resuming, the sums were made from them.
     ``finish()`` runs once this rank has sampled its prompts, before the ranks exchange
     them (``--fsdp``: join the other ranks' forwards until all are done).
     """
-    if saved.exists():  # resuming: the sums were made from these samples
-        return read_rollouts(saved, tokenizer)[0]
+    if kept is not None:
+        return read_rollouts(kept, tokenizer)[0]
     prompts = read_prompts(settings.prompts, tokenizer)
     mine = []
     # this rank's prompts, similar lengths together (less padding); each keeps its own
@@ -208,8 +217,9 @@ def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch,
     if settings.restart and ranks.is_main:
         checkpointing.clear(folder)
     distributed.barrier(ranks)
+    prints = {"model": model_fingerprint(settings.model, "post model") if settings.checkpoint_every else None}
 
-    model, rollouts, stats, data = _retention_data(settings, ranks, load_model, tokenizer, folder)
+    model, rollouts, stats, data = _retention_data(settings, ranks, load_model, tokenizer, folder, prints)
     max_length = getattr(config, "max_position_embeddings", None)
     rollouts = validate_rollouts(
         rollouts,
@@ -222,7 +232,7 @@ def _estimate(settings: EstimateSettings, ranks: distributed.Ranks, after_batch,
         model = load_model()
     data["token_sha256"] = rollouts_sha256(rollouts)
 
-    accumulator, seconds = _accumulate(settings, ranks, model, rollouts, data, folder, after_batch)
+    accumulator, seconds = _accumulate(settings, ranks, model, rollouts, data, folder, after_batch, prints)
     state = accumulator.state_dict()
     distributed.all_reduce_sum(ranks, state)
     accumulator.load_state_dict(state)
@@ -245,8 +255,14 @@ def _retention_data(
     load_model: Callable[[], nn.Module],
     tokenizer: Callable[[], Any],
     folder: Path,
+    prints: dict[str, str | None],
 ) -> tuple[nn.Module | None, list[Rollout], RolloutStats, dict[str, Any]]:
-    """(model if sampling loaded it, rollouts, stats, the manifest's data record): read or sampled."""
+    """(model if sampling loaded it, rollouts, stats, the manifest's data record): read or sampled.
+
+    With checkpoints, samples kept by an interrupted run are used only when they were drawn
+    from the same prompts (by content), model (by content) and sampling settings
+    (``prints["sampling"]``, :func:`sampling_fingerprint`), and are unedited.
+    """
     if settings.rollouts is not None:
         rollouts, stats = read_rollouts(settings.rollouts, tokenizer)
         data = {
@@ -254,14 +270,18 @@ def _retention_data(
             "rollouts_file_sha256": file_sha256(settings.rollouts),
         }
         return None, rollouts, stats, data
-    saved = folder / "rollouts.jsonl"
-    model = load_model()
-    rollouts = _sample_rollouts(settings, model, tokenizer, ranks, saved)
-    stats = RolloutStats(lines=len(rollouts))
     data = _sampling_record(settings)
+    kept = None
+    if settings.checkpoint_every:
+        prompt_tokens = prompts_token_sha256(read_prompts(settings.prompts, tokenizer))
+        prints["sampling"] = sampling_fingerprint(settings, prints["model"], prompt_tokens, ranks.world_size)
+        kept = checkpointing.kept_rollouts(folder, prints["sampling"])
+    model = load_model()
+    rollouts = _sample_rollouts(settings, model, tokenizer, ranks, kept)
+    stats = RolloutStats(lines=len(rollouts))
     if ranks.is_main:
-        if settings.checkpoint_every and not saved.exists():
-            write_rollouts(saved, rollouts)
+        if settings.checkpoint_every and kept is None:
+            checkpointing.keep_rollouts(folder, prints["sampling"], rollouts, write_rollouts)
         if settings.save_rollouts is not None:
             write_rollouts(settings.save_rollouts, rollouts, _maybe(tokenizer))
     return model, rollouts, stats, data
@@ -285,20 +305,31 @@ def _sampling_record(settings: EstimateSettings) -> dict[str, Any]:
     }
 
 
-def _run_fingerprint(settings: EstimateSettings, ranks: distributed.Ranks, data: dict[str, Any]) -> str:
-    """Everything that determines this rank's sums: a checkpoint of another run is refused."""
-    return checkpointing.fingerprint(
-        {
-            "model": str(Path(settings.model).resolve()),
-            "data": data["token_sha256"],
-            "kind": settings.kind,
-            "modules": settings.modules,
-            "batch_size": settings.batch_size,
-            "dtype": settings.dtype,
-            "accumulator_dtype": settings.accumulator_dtype,
-            "world_size": ranks.world_size,
-        }
-    )
+def prompts_token_sha256(prompts: list[tuple[str, tuple[int, ...]]]) -> str:
+    """sha256 of the prompts' token ids (``read_prompts``): their text, chat template and tokenizer, as used."""
+    return hashlib.sha256(json.dumps([list(ids) for _, ids in prompts]).encode()).hexdigest()
+
+
+def sampling_fingerprint(settings: EstimateSettings, model: str, prompt_tokens: str, world_size: int) -> str:
+    """Everything samples drawn from ``--prompts`` depend on: the model's content (``model_fingerprint``), the
+    prompts file's bytes and tokens, every sampling setting, the weights' dtype, attention, processes."""
+    return checkpointing.fingerprint({
+        "model": model, "prompts_file_sha256": file_sha256(settings.prompts), "prompt_tokens": prompt_tokens,
+        **{key: getattr(settings, key) for key in SAMPLING_SETTINGS}, "world_size": world_size,
+    })
+
+
+def _run_fingerprint(settings: EstimateSettings, ranks: distributed.Ranks, data: dict[str, Any],
+                     prints: dict[str, str | None]) -> str:
+    """Everything that determines this rank's sums: a checkpoint of another run is refused.
+
+    The model by content (a model saved over the same path is another model), the data's
+    tokens, how they were drawn (``prints["sampling"]``), and every estimator setting.
+    """
+    return checkpointing.fingerprint({
+        "model": prints["model"], "data": data["token_sha256"], "sampling": prints.get("sampling"),
+        **{key: getattr(settings, key) for key in SUM_SETTINGS}, "world_size": ranks.world_size,
+    })
 
 
 def _accumulate(
@@ -309,6 +340,7 @@ def _accumulate(
     data: dict[str, Any],
     folder: Path,
     after_batch: Callable[[int], None] | None,
+    prints: dict[str, str | None],
 ) -> tuple[FisherAccumulator, float]:
     """(this rank's sums, seconds): its batches fed to the accumulator, resumed from and saved to checkpoints."""
     plan = plan_batches([r.length for r in rollouts], settings.batch_size)
@@ -317,10 +349,13 @@ def _accumulate(
     accumulator = FisherAccumulator(
         model, kind=settings.kind, modules=settings.modules, dtype=dtype
     )
-    run_print = _run_fingerprint(settings, ranks, data)
+    run_print = _run_fingerprint(settings, ranks, data, prints) if settings.checkpoint_every else ""
     start = 0
     if settings.checkpoint_every:
-        resumed = checkpointing.load(folder, ranks.rank, run_print)
+        expected = checkpointing.Expected(
+            sums={k: (tuple(v.shape), v.dtype) for k, v in accumulator.state_dict().items() if k != "counts"},
+            steps=len(mine), counts=lambda done: planned_counts(rollouts, mine[:done]))
+        resumed = checkpointing.load(folder, ranks.rank, run_print, expected)
         if resumed is not None:
             start, state = resumed
             accumulator.load_state_dict({k: v.to(ranks.device) for k, v in state.items()})

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from graftmerge.errors import GraftError, OutOfMemory
 from graftmerge.estimate import checkpointing, distributed, kfac_factors
-from graftmerge.estimate.batching import batches_of_rank, pad_batch, plan_batches
+from graftmerge.estimate.batching import batches_of_rank, pad_batch, plan_batches, planned_counts
 from graftmerge.estimate.model_loading import causal_lm_config, tokenizer_loader
 from graftmerge.estimate.rollouts import (
     Rollout,
@@ -59,14 +59,16 @@ from graftmerge.estimate.run import (
     _maybe,
     _sample_rollouts,
     _sampling_record,
+    prompts_token_sha256,
+    sampling_fingerprint,
     settings_dict,
 )
 from graftmerge.estimate.sharded_accumulator import ShardedFisherAccumulator
 from graftmerge.estimate.sharded_loading import checked_meta_model, model_dtype, shard_and_fill
 from graftmerge.estimate.sharded_sampling import LockstepModel
 from graftmerge.estimate.sharded_writer import RankShardWriter, model_record, write_manifest
-from graftmerge.formats.checkpoint import Checkpoint, shard_sample_digest
 from graftmerge.formats.file_hash import file_sha256
+from graftmerge.formats.model_content import model_fingerprint
 from graftmerge.formats.output_folder import NEW, OVERWRITE, OutputFolder, stage_reached
 from graftmerge.math.ownership import balanced_owners
 
@@ -90,6 +92,7 @@ class Prepared:
     data: dict[str, Any]
     staging: Path
     fingerprint: str
+    sampling: str | None  # --prompts: what the samples depend on (run.sampling_fingerprint)
 
 
 def start(device: str | None, timeout: float) -> distributed.Ranks:
@@ -207,7 +210,9 @@ def prepare(settings, ranks: distributed.Ranks) -> tuple[OutputFolder | None, Pr
     distributed.barrier(ranks)
     config, rollouts, stats, data, _ = found
     run_print = checkpointing.fingerprint({**fingerprint, "world_size": ranks.world_size, "fsdp": True})
-    return output, Prepared(config, rollouts, stats, data, Path(staging), run_print)
+    sampling = (sampling_fingerprint(settings, fingerprint["model"], data["prompts_token_sha256"], ranks.world_size)
+                if settings.prompts is not None else None)
+    return output, Prepared(config, rollouts, stats, data, Path(staging), run_print, sampling)
 
 
 def _fsdp_checks(settings) -> None:
@@ -233,9 +238,8 @@ def _read_data(settings) -> tuple[Any, list[Rollout] | None, RolloutStats | None
     config = causal_lm_config(settings.model, trust_remote_code=settings.trust_remote_code)
     tokenizer = tokenizer_loader(settings.model, trust_remote_code=settings.trust_remote_code)
     if settings.prompts is not None:
-        prompts = [ids for _, ids in read_prompts(settings.prompts, tokenizer)]
         data = {**_sampling_record(settings),
-                "prompts_token_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()}
+                "prompts_token_sha256": prompts_token_sha256(read_prompts(settings.prompts, tokenizer))}
         return config, None, None, data
     rollouts, stats = read_rollouts(settings.rollouts, tokenizer)
     rollouts = validate_rollouts(
@@ -256,15 +260,12 @@ def _open_output(settings) -> OutputFolder:
 
 
 def _fingerprints(settings, found) -> dict[str, str]:
-    """sha256 of this rank's arguments, model files and rollout tokens: ranks must agree on all three."""
+    """sha256 of this rank's arguments, model (by content: ``model_fingerprint``, as the one-process path) and
+    rollout tokens: ranks must agree on all three, and a checkpoint resumes only the same three."""
     arguments = {k: v for k, v in settings_dict(settings).items() if k not in NOT_PER_RANK}
-    checkpoint = Checkpoint(settings.model, label="post model")
-    model = hashlib.sha256((Path(settings.model) / "config.json").read_bytes())
-    for file, layout in sorted(checkpoint.layouts.items()):
-        model.update(f"{file.name}:{file.stat().st_size}:{shard_sample_digest(layout)}\n".encode())
     return {
         "arguments": hashlib.sha256(json.dumps(arguments, sort_keys=True, default=str).encode()).hexdigest(),
-        "model": model.hexdigest(),
+        "model": model_fingerprint(settings.model, "post model"),
         "rollouts": found[3].get("token_sha256") or found[3]["prompts_token_sha256"],
     }
 
@@ -325,18 +326,19 @@ def _run(settings, ranks: distributed.Ranks, group, output: OutputFolder | None,
 
 def _sample(settings, ranks: distributed.Ranks, group, model, prepared: Prepared) -> None:
     """--prompts: every rank samples its prompts with the sharded weights, in step; all get every rollout."""
-    saved = checkpointing.checkpoint_folder(settings.output) / "rollouts.jsonl"
+    folder = checkpointing.checkpoint_folder(settings.output)
+    kept = checkpointing.kept_rollouts(folder, prepared.sampling) if settings.checkpoint_every else None
     tokenizer = tokenizer_loader(settings.model, trust_remote_code=settings.trust_remote_code)
     lockstep = LockstepModel(model, group)
-    rollouts = _sample_rollouts(settings, lockstep, tokenizer, ranks, saved, finish=lockstep.finish)
+    rollouts = _sample_rollouts(settings, lockstep, tokenizer, ranks, kept, finish=lockstep.finish)
     stats = RolloutStats(lines=len(rollouts))
     rollouts = validate_rollouts(
         rollouts, stats, vocab_size=prepared.config.get_text_config().vocab_size,
         max_length=getattr(prepared.config, "max_position_embeddings", None), truncate=settings.truncate,
     )
     if ranks.is_main:
-        if settings.checkpoint_every and not saved.exists():
-            write_rollouts(saved, rollouts)
+        if settings.checkpoint_every and kept is None:
+            checkpointing.keep_rollouts(folder, prepared.sampling, rollouts, write_rollouts)
         if settings.save_rollouts is not None:
             write_rollouts(settings.save_rollouts, rollouts, _maybe(tokenizer))
     prepared.data["token_sha256"] = rollouts_sha256(rollouts)
@@ -351,7 +353,12 @@ def _accumulate(settings, ranks: distributed.Ranks, accumulator: ShardedFisherAc
     mine = batches_of_rank(plan, ranks.rank, ranks.world_size)
     steps = -(-len(plan) // ranks.world_size)
     folder = checkpointing.checkpoint_folder(settings.output)
-    start = _resume(settings, ranks, accumulator, prepared, folder)
+    expected = checkpointing.Expected(
+        sums={f"diagonal/{k}": (tuple(v.shape), v.dtype) for k, v in accumulator.owned_diagonal.items()},
+        optional={f"factor/{which}/{name}": (shape, ACCUMULATOR_DTYPES[settings.accumulator_dtype])
+                  for which in ("rows", "columns") for name, shape in accumulator.shapes[which].items()},
+        steps=steps, counts=lambda done: planned_counts(rollouts, mine[:done]))
+    start = _resume(settings, ranks, accumulator, (prepared.fingerprint, expected), folder)
     bar = tqdm(total=sum(rollouts[i].length for batch in mine for i in batch), unit="tok", unit_scale=True,
                initial=sum(rollouts[i].length for batch in mine[:start] for i in batch),
                desc=f"fisher {settings.kind} (fsdp)", disable=not (settings.progress and ranks.is_main))
@@ -374,12 +381,14 @@ def _accumulate(settings, ranks: distributed.Ranks, accumulator: ShardedFisherAc
     return time.perf_counter() - began
 
 
-def _resume(settings, ranks: distributed.Ranks, accumulator: ShardedFisherAccumulator, prepared: Prepared,
-            folder: Path) -> int:
-    """The step every rank resumes from (0 without checkpoints); ranks whose checkpoints disagree are refused."""
+def _resume(settings, ranks: distributed.Ranks, accumulator: ShardedFisherAccumulator,
+            expected: tuple[str, checkpointing.Expected], folder: Path) -> int:
+    """The step every rank resumes from (0 without checkpoints), each rank's checkpoint (``expected``: the run's
+    fingerprint and what its sums must be) checked field by field
+    (``checkpointing.load``); a bad one, or ranks whose checkpoints disagree, are one error on every rank."""
     if not settings.checkpoint_every:
         return 0
-    error, resumed = attempt(lambda: checkpointing.load(folder, ranks.rank, prepared.fingerprint))
+    error, resumed = attempt(lambda: checkpointing.load(folder, ranks.rank, *expected))
     starts = agree(ranks, error, 0 if resumed is None else resumed[0])
     if len(set(starts)) > 1:
         raise GraftError(f"the checkpoints in {folder} stop at different steps on different ranks ({starts}); "
