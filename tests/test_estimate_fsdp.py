@@ -153,16 +153,44 @@ def _cli_results(root: Path, name: str, world: int) -> list[subprocess.Completed
 
 def _refusal_jobs(root: Path, models: dict[str, Path], data: Path, killed: dict) -> dict[int, list[dict]]:
     """Refusals that need every rank but no launch of their own, first in each launch (in this order: the
-    killed run is refused by 3 ranks before 2 ranks resume it)."""
+    killed run is refused by 3 ranks before 2 ranks resume it, after 2 ranks refused it with rank 1's checkpoint
+    holding a sum of the wrong shape, then rank 0's being a foreign file)."""
     (root / "exists").mkdir()
     common = [str(models["qwen3-tied"]), "--rollouts", str(data), "--fsdp", "--no-progress"]
+    kept, edited = checkpoint_folder(killed["output"]), _edited_checkpoints(root, killed)
     return {
         3: [_cli_job(root, "three-ranks", killed["args"])],
         2: [_cli_job(root, "bad-input", [*common, "-o", str(root / "exists")]),
             _cli_job(root, "disagree", [[*common, "-o", str(root / "disagree"), "--batch-size", str(2 + rank)]
                                         for rank in range(2)]),
+            {"copy": [[str(kept / "rank00001.pt"), str(edited / "kept1.pt")],
+                      [str(edited / "wrong-shape.pt"), str(kept / "rank00001.pt")]]},
+            _cli_job(root, "wrong-shape", killed["args"]),
+            {"copy": [[str(edited / "kept1.pt"), str(kept / "rank00001.pt")],
+                      [str(kept / "rank00000.pt"), str(edited / "kept0.pt")],
+                      [str(edited / "foreign.pt"), str(kept / "rank00000.pt")]]},
+            _cli_job(root, "foreign", killed["args"]),
+            {"copy": [[str(edited / "kept0.pt"), str(kept / "rank00000.pt")]]},
             _cli_job(root, "resumed", killed["args"])],
     }
+
+
+def _edited_checkpoints(root: Path, killed: dict) -> Path:
+    """Rank 1's checkpoint with a diagonal sum one row longer (sealed again), and a file that is no checkpoint."""
+    import torch
+
+    from graftmerge.estimate.checkpointing import seal
+
+    edited = root / "edited-checkpoints"
+    edited.mkdir()
+    payload = torch.load(checkpoint_folder(killed["output"]) / "rank00001.pt", weights_only=True)
+    key = next(k for k in sorted(payload["state"]) if k.startswith("diagonal/"))
+    payload["state"][key] = torch.zeros(payload["state"][key].shape[0] + 1, *payload["state"][key].shape[1:],
+                                        dtype=payload["state"][key].dtype)
+    payload["seal"] = seal(payload)
+    torch.save(payload, edited / "wrong-shape.pt")
+    torch.save({"weights": [1, 2, 3]}, edited / "foreign.pt")
+    return edited
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +284,9 @@ def test_ranks_that_disagree_on_arguments_are_refused(inputs, caches):
 
 def test_killed_rank_leaves_no_cache_and_the_rerun_resumes(inputs, killed, caches):
     """Rank 1 killed after step 2: rank 0 fails at its next collective with one line, no cache, both checkpoints
-    kept. The same command is refused by 3 ranks (another run), and resumed by 2 to the one-process cache."""
+    kept. The same command is refused by 3 ranks (another run), by 2 while rank 1's checkpoint holds a sum of
+    the wrong shape or rank 0's is a foreign file (the same line on both ranks, exit 2), and resumed by 2 to the
+    one-process cache once the checkpoints are the ones the run wrote."""
     assert "lost contact with the other ranks" in error_line(killed["survivor"])
     assert not killed["cache_after_kill"]
     assert killed["checkpoints_after_kill"] == ["rank00000.pt", "rank00001.pt"]
@@ -264,6 +294,13 @@ def test_killed_rank_leaves_no_cache_and_the_rerun_resumes(inputs, killed, cache
     root, output = killed["root"], killed["output"]
     refused_three = _cli_results(inputs[0], "three-ranks", 3)
     assert {"belongs to a run with other settings" in error_line(r) for r in refused_three} == {True}
+
+    folder = str(checkpoint_folder(output))
+    for job, expected in (("wrong-shape", "this run's is"), ("foreign", "not a graftmerge estimate checkpoint")):
+        lines = {error_line(result) for result in _cli_results(inputs[0], job, 2)}  # every rank: exit 2, one line
+        assert len(lines) == 1, lines
+        line = lines.pop()
+        assert expected in line and folder in line and "--restart" in line, line
 
     resumed = _cli_results(inputs[0], "resumed", 2)
     assert [r.returncode for r in resumed] == [0, 0], resumed[0].stderr[-3000:] + resumed[1].stderr[-3000:]

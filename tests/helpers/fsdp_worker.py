@@ -5,12 +5,15 @@ group is made here and kept across jobs (each run uses it and leaves it, also wh
 refuses its input). A job is either one ``EstimateSettings`` as JSON (paths as strings), or
 ``{"cli": ARGS, "result": PATH}``: ``graftmerge fisher estimate ARGS`` through the click
 command (``ARGS`` may be a list per rank), whose exit status and stderr this rank writes to
-``PATH.rankR.json``, so that refusals are checked without a launch of their own.
+``PATH.rankR.json``, so that refusals are checked without a launch of their own; or
+``{"copy": [[SOURCE, TARGET], ...]}``: rank 0 copies files (a checkpoint swapped for an edited
+one, and back) while the others wait.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,6 +43,12 @@ def main(jobs_file: str) -> None:
         for job in json.loads(Path(jobs_file).read_text()):
             if "cli" in job:
                 run_command(job, dist.get_rank())
+                continue
+            if "copy" in job:
+                if dist.get_rank() == 0:
+                    for source, target in job["copy"]:
+                        shutil.copy(source, target)
+                dist.barrier()
                 continue
             options = {k: Path(v) if k in PATHS else v for k, v in job.items()}
             estimate_fisher_sharded(EstimateSettings(fsdp=True, progress=False, **options))
