@@ -21,9 +21,9 @@ import torch
 from huggingface_hub import constants
 from safetensors.torch import load_file, save_file
 
+from graftmerge.demo.tiny_models import save_tiny_model
 from graftmerge.formats import model_content
 from graftmerge.formats.checkpoint import Checkpoint
-from graftmerge.testing.tiny_models import save_tiny_model
 from tests.helpers.configs import graft_yaml
 from tests.helpers.data_aware import config, make_models, write_both_cache
 from tests.helpers.fake_hub import place_in_hf_cache
