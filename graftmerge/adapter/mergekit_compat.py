@@ -5,12 +5,25 @@ graftmerge also needs a few of its private functions and methods, patches ``run_
 fills its loader cache: all of that is named here and nowhere else, and
 tests/test_mergekit_compat.py checks each against the mergekit that pyproject.toml pins, so an
 upgrade that moves one fails there first. Imports only mergekit and :mod:`graftmerge.errors`.
+
+Two behaviours of mergekit 0.1.5 are changed here (tests/test_offline_merges.py):
+
+- **Its model card asks the Hub about local folders.** ``mergekit.card.is_hf`` asks the Hub
+  whether a path with at most one ``/`` that exists on disk (``models/post``, ``post``) is a
+  repository: offline that ends a finished merge in a traceback with nothing published, online it
+  sends the user's folder names to the Hub API. :func:`keep_local_folders_off_the_hub` makes the
+  card ask :func:`names_a_hub_repo` instead, answered on disk, for every merge method.
+- **It lists a Hub id's repository before loading it** (``ModelReference.local_path``), also
+  offline and for a cached checkpoint. :func:`wrap_run_merge` takes a ``view`` that hands
+  mergekit the config with cached Hub ids as snapshot folders (the caller decides which).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -101,15 +114,20 @@ def register(registry_module, methods: Iterable) -> None:
 Route = Callable[..., object]  # (mergekit's run_merge, config, out_path, options, config_source) -> its result
 
 
-def wrap_run_merge(merge_module, routes: Mapping[str, Route]) -> None:
+def wrap_run_merge(merge_module, routes: Mapping[str, Route], view: Callable | None = None) -> None:
     """Replace ``merge_module.run_merge`` once: a config whose merge_method is in ``routes`` goes through its
-    route (handed mergekit's own run_merge), any other straight to mergekit's."""
+    route (handed mergekit's own run_merge), any other straight to mergekit's. ``view(config)``, if given,
+    is the config both are handed (the config as written stays the card's source)."""
     original = getattr(merge_module, "run_merge", None)
     if original is None or hasattr(original, WRAPPED):
         return  # half-imported (the import hook wraps it once mergekit.merge finishes), or wrapped already
 
     @functools.wraps(original)
     def run_merge(merge_config, out_path, options, config_source=None):
+        seen = merge_config if view is None else view(merge_config)
+        if seen is not merge_config and config_source is None:
+            config_source = merge_config.to_yaml()  # the card shows the config as written
+        merge_config = seen
         route = routes.get(merge_config.merge_method)
         if route is None:
             return original(merge_config, out_path, options=options, config_source=config_source)
@@ -129,3 +147,26 @@ def loaders_in_cache(loaders: Mapping[ModelReference, object]) -> Iterator[None]
     finally:
         for reference in loaders:
             cache.pop(reference, None)
+
+
+def names_a_hub_repo(path: str) -> bool:
+    """mergekit's card question, "is ``path`` a Hub model repository?", answered without the network.
+
+    A path that exists on disk is a local folder however it is written (``models/post``, ``post``):
+    nothing about it is asked of the Hub. A path that does not exist is a Hub id unless it is
+    written as an absolute or home path or has more than one ``/`` (mergekit's own rule for those).
+    """
+    if not path or os.path.exists(path):
+        return False
+    return path[0] not in "/~" and path.count("/") <= 1
+
+
+def keep_local_folders_off_the_hub() -> None:
+    """mergekit's model card (``mergekit.card``, imported by ``mergekit.merge``) asks :func:`names_a_hub_repo`.
+
+    ``generate_card``, ``generate_card_lora`` and ``maybe_link_hf`` look ``is_hf`` up in their module at
+    call time, so replacing that global changes every card mergekit writes, whoever calls it.
+    """
+    card = sys.modules.get("mergekit.card")
+    if card is not None and callable(getattr(card, "is_hf", None)):
+        card.is_hf = names_a_hub_repo

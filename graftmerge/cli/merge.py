@@ -9,7 +9,6 @@ import click
 from mergekit.options import MergeOptions, add_merge_options
 
 from graftmerge.adapter import import_hook
-from graftmerge.hub.models import localize_models
 
 
 @click.command("merge")
@@ -35,6 +34,6 @@ def merge(merge_options: MergeOptions, config_file: str, out_path: str, no_thres
 
     merge_options.apply_global_options()
     config, source = read_merge_config(config_file)
-    # Hub-id models from the local HF cache (mergekit cannot resolve them offline).
+    # run_merge as mergekit-yaml runs it: the hook's wrappers read cached Hub ids from the local HF cache
     with threshold_cache_disabled(no_threshold_cache):
-        run_merge(localize_models(config), out_path, options=merge_options, config_source=source)
+        run_merge(config, out_path, options=merge_options, config_source=source)
