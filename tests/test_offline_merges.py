@@ -17,6 +17,7 @@ import http.server
 import socket
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx2
 import pytest
@@ -26,7 +27,7 @@ from huggingface_hub.utils._http import default_client_factory
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
-from graftmerge.adapter import import_hook
+from graftmerge.adapter import import_hook, mergekit_compat
 from graftmerge.adapter.mergekit_compat import names_a_hub_repo
 from graftmerge.errors import GraftError
 from graftmerge.testing.hf_cache import place_in_hf_cache
@@ -206,6 +207,32 @@ def test_the_stock_console_script_online_sends_no_folder_name_anywhere(workspace
     assert result.returncode == 0, result.stderr[-3000:]
     assert server.seen == []
     assert model_files(tmp_path / "out") == references["graft"]
+
+
+def test_the_hook_keeps_the_card_off_the_hub_and_wraps_run_merge_once():
+    import_hook.install()
+    import_hook.install()
+    import mergekit.card
+    import mergekit.merge
+
+    assert mergekit.card.is_hf is mergekit_compat.names_a_hub_repo
+    wrapper = mergekit.merge.run_merge
+    assert hasattr(wrapper, mergekit_compat.WRAPPED) and not hasattr(wrapper.__wrapped__, mergekit_compat.WRAPPED)
+    assert wrapper.__wrapped__.__module__ == "mergekit.merge"
+
+
+def test_run_merge_hands_routes_and_mergekit_the_view_and_the_card_the_config_as_written():
+    calls = []
+    module = SimpleNamespace(run_merge=lambda config, out, options=None, config_source=None:
+                             calls.append(("mk", config.name, config_source)))
+    routes = {"graft": lambda original, config, out, options, source: calls.append(("graft", config.name, source))}
+    written = {method: SimpleNamespace(merge_method=method, name="as written", to_yaml=lambda: "yaml as written")
+               for method in ("graft", "linear")}
+    mergekit_compat.wrap_run_merge(module, routes, view=lambda config: SimpleNamespace(
+        merge_method=config.merge_method, name="resolved"))
+    module.run_merge(written["graft"], "out", None)
+    module.run_merge(written["linear"], "out", None, config_source="the user's file")
+    assert calls == [("graft", "resolved", "yaml as written"), ("mk", "resolved", "the user's file")]
 
 
 # -- issue 36.8: cached Hub ids through the stock CLI, offline ----------------------------------
