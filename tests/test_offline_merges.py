@@ -29,13 +29,13 @@ from mergekit.options import MergeOptions
 
 from graftmerge.adapter import import_hook, mergekit_compat
 from graftmerge.adapter.mergekit_compat import names_a_hub_repo
+from graftmerge.demo.tiny_models import make_graft_inputs
 from graftmerge.errors import GraftError
-from graftmerge.testing.hf_cache import place_in_hf_cache
-from graftmerge.testing.tiny_models import make_graft_inputs
 from tests.helpers.configs import graft_yaml
 from tests.helpers.data_aware import config as data_aware_yaml
 from tests.helpers.data_aware import make_models, write_both_cache
 from tests.helpers.fisher_caches import write_diagonal_cache
+from tests.helpers.hf_cache import place_in_hf_cache
 from tests.helpers.runners import error_line, forget_process_state, run_cli, run_process
 
 METHODS = ("graft", "fisher", "regmean", "linear")  # linear: mergekit's own card, asking nothing of the Hub either
