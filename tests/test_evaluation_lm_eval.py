@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 
 from graftmerge.errors import GraftError
 from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, normalised
+from tests.helpers.configs import graft_yaml
 from tests.helpers.runners import error_line, run_cli
 from tests.helpers.tiny_tokenizer import save_tiny_chat_model
 
@@ -187,3 +189,95 @@ def test_without_lm_eval_installed_the_error_says_how_to_get_it(monkeypatch, tmp
         Evaluator(suite, tokenizer)
     line = error_line(run_cli("graftmerge", "eval", str(folder), "--tasks", str(tmp_path / "tasks.yml")))
     assert line.endswith("pip install graftmerge[eval]")
+
+
+# ---- few-shot documents, checked before the model is loaded (docs/security.md, class 14) ----------------------
+
+def broken_weights_copy(folder: Path, to: Path) -> Path:
+    """The tiny model with its weights file cut short: anything that loads it fails with a different error."""
+    shutil.copytree(folder, to)
+    weights = next(to.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    return to
+
+
+@pytest.mark.parametrize("shots, extra_yaml", [(20, ""), (8, ""), (None, "num_fewshot: 50\n")])
+def test_num_fewshot_beyond_the_documents_is_one_line_before_the_model_loads(harness_setup, tmp_path, shots,
+                                                                            extra_yaml):
+    """8 validation documents: scoring validation draws num_fewshot + 1 of them (the scored one is left out)."""
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "graft_many.yaml").write_text(harness_task_yaml("graft_many", harness_setup["root"] / "harness")
+                                             + extra_yaml)
+    fewshot = "" if shots is None else f", num_fewshot: {shots}"
+    (tmp_path / "tasks.yml").write_text(f"tasks:\n  - name: probe\n    role: old\n"
+                                        f"    lm_eval: {{task: graft_many, include_path: include{fewshot}}}\n")
+    shots = shots or 50
+    expected = (rf"tasks\.yml:2: lm-eval task 'graft_many' has 8 few-shot documents \(.*\), and num_fewshot "
+                rf"{shots} needs {shots + 1} to score its validation split; lower num_fewshot to at most 7")
+    with pytest.raises(GraftError, match=expected):
+        Evaluator(load_tasks(tmp_path / "tasks.yml"), harness_setup["tokenizer"], progress=False)
+    model = broken_weights_copy(harness_setup["folder"], tmp_path / "model")
+    line = error_line(run_cli("graftmerge", "eval", str(model), "--tasks", str(tmp_path / "tasks.yml"),
+                              "--split", "all", "--no-progress"))
+    assert re.search(expected, line), line
+
+
+def test_num_fewshot_the_documents_allow_scores_both_splits(harness_setup, tmp_path):
+    """Control: 7 shots from 8 documents on validation (7 + the scored one), 7 of the 8 on test."""
+    (tmp_path / "tasks.yml").write_text(f"tasks:\n  - name: probe\n    role: old\n    lm_eval: {{task: graft_probe, "
+                                        f"include_path: {harness_setup['root'] / 'harness'}, num_fewshot: 7}}\n")
+    evaluator = Evaluator(load_tasks(tmp_path / "tasks.yml"), harness_setup["tokenizer"], batch_size=4,
+                          progress=False)
+    scores = evaluator.score(harness_setup["model"], ("validation", "test"))
+    assert set(scores["probe"]) == {"validation", "test"}
+    assert all(0 <= value <= 1 for value in scores["probe"].values())
+
+
+# ---- a task's include_path: fingerprinted without bytecode, never a sweep's DIR (docs/security.md, class 14) ------
+
+def test_the_fingerprint_covers_the_task_files_not_the_bytecode_the_harness_writes(harness_setup, tmp_path,
+                                                                                  monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # as a user's Python (the suite runs without bytecode)
+    include = tmp_path / "include"
+    include.mkdir()
+    for split in ("validation", "test"):
+        shutil.copy(harness_setup["root"] / "harness" / f"{split}.jsonl", include / f"{split}.jsonl")
+    (include / "keep_all.py").write_text("def keep(dataset):\n    return dataset\n")
+    (include / "graft_fn.yaml").write_text(harness_task_yaml("graft_fn", include)
+                                           + "process_docs: !function keep_all.keep\n")
+    (tmp_path / "tasks.yml").write_text("tasks:\n  - name: probe\n    role: old\n"
+                                        "    lm_eval: {task: graft_fn, include_path: include}\n")
+    first = load_tasks(tmp_path / "tasks.yml")
+    assert first.inputs == (tmp_path / "tasks.yml", include)
+    Evaluator(first, harness_setup["tokenizer"], progress=False)  # the harness imports keep_all.py
+    assert list(include.glob("__pycache__/*.pyc"))  # ... and caches its bytecode beside it
+    assert load_tasks(tmp_path / "tasks.yml").fingerprint == first.fingerprint
+    (include / "keep_all.py").write_text("def keep(dataset):\n    return dataset.select(range(4))\n")
+    assert load_tasks(tmp_path / "tasks.yml").fingerprint != first.fingerprint
+    (include / "keep_all.py").write_text("def keep(dataset):\n    return dataset\n")
+    with open(include / "test.jsonl", "a") as handle:
+        handle.write(json.dumps({"question": "Why?", "choices": ["no", LONG], "gold": 1}) + "\n")
+    assert load_tasks(tmp_path / "tasks.yml").fingerprint != first.fingerprint
+
+
+@pytest.mark.parametrize("where", ["inside", "is", "contains"])
+def test_a_sweep_folder_inside_a_task_include_path_is_refused(tied_models, tmp_path, where):
+    """The sweep's own outputs there would change the suite's fingerprint: it could never resume."""
+    project = tmp_path / "project"
+    include = project / "tasks" / "include"
+    include.mkdir(parents=True)
+    (include / "graft_x.yaml").write_text(harness_task_yaml("graft_x", include))
+    (project / "new.jsonl").write_text(json.dumps({"prompt": "2 + 2 =", "answer": " 4"}) + "\n")
+    tasks = project / "tasks.yml"
+    tasks.write_text("tasks:\n  - {name: probe, role: old, lm_eval: {task: graft_x, include_path: tasks/include}}\n"
+                     "  - {name: sums, role: new, metric: nll, data: new.jsonl}\n")
+    m = tied_models
+    (tmp_path / "graft.yml").write_text(graft_yaml(m["post"], m["donor"], [(m["donor_ft"], 1.0)]))
+    out = {"inside": include / "sweep", "is": include, "contains": project / "tasks"}[where]
+    before = sorted(p.relative_to(project) for p in project.rglob("*"))
+    line = error_line(run_cli("graftmerge", "sweep", str(tmp_path / "graft.yml"), "--lambda", "1", "--rho", "0",
+                              "--eval", str(tasks), "-o", str(out)))
+    how = {"inside": "is inside", "is": "is", "contains": "contains"}[where]
+    assert f"output folder {out} {how} the task data {include}" in line, line
+    assert sorted(p.relative_to(project) for p in project.rglob("*")) == before

@@ -129,7 +129,7 @@ def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[floa
     device = options.device or "cpu"
     dtype = eval_dtype or ("float32" if device == "cpu" else "bfloat16")  # `graftmerge eval`'s default
     dtype = written_dtype(config, plan.post) if dtype == "auto" else dtype
-    files = (str(suite.source), *(str(task.data) for task in suite.tasks if task.data is not None))
+    files = tuple(map(str, suite.inputs))  # DIR may be none of them, nor inside one (an include_path included)
     evaluation = Evaluation(files, suite.fingerprint, {"dtype": dtype, "device": device, "batch_size": EVAL_BATCH_SIZE})
 
     def make_judge() -> Judge:

@@ -164,8 +164,38 @@ def resolve(task: Task) -> HarnessTask:
                    if theirs is not None)
     if not splits:
         raise GraftError(f"{task.where}: lm-eval task {spec.task!r} has neither a validation nor a test split")
+    check_fewshot(task, harness_task, splits)
     resolved = replace(task, lm_eval=replace(spec, metric=metric, higher_is_better=bool(better[metric]), splits=splits))
     return HarnessTask(resolved, harness_task, manager)
+
+
+def check_fewshot(task: Task, harness_task, splits: tuple[str, ...]) -> None:
+    """GraftError unless the harness task has enough few-shot documents for ``num_fewshot`` on every split.
+
+    Checked here, before any model is loaded: the harness only finds out while it builds the
+    requests, after the model is loaded, with a traceback from ``random.sample``. Its
+    sampler draws one document more when the few-shot documents are the scored split's
+    own (it then leaves the scored document out).
+    """
+    shots = task.lm_eval.num_fewshot
+    shots = harness_task.get_config("num_fewshot") or 0 if shots is None else shots
+    if not shots:
+        return
+    try:
+        with quiet_harness():
+            pool = len(harness_task.fewshot_docs())
+    except Exception as error:  # the harness raises whatever its dataset or a task's own function raises
+        raise GraftError(f"{task.where}: cannot read the few-shot documents of lm-eval task "
+                         f"{task.lm_eval.task!r}: {first_line(error)}") from error
+    fewshot_split = getattr(getattr(harness_task, "fewshot_cfg", None), "split", None)
+    for split in splits:
+        scored_test_split = None if split == "validation" else harness_task.config.test_split  # as score_harness_task
+        needed = shots + (fewshot_split == scored_test_split)
+        if pool < needed:
+            source = f"its {fewshot_split!r} split" if fewshot_split else "the split the harness draws them from"
+            raise GraftError(f"{task.where}: lm-eval task {task.lm_eval.task!r} has {pool} few-shot documents "
+                             f"({source}), and num_fewshot {shots} needs {needed} to score its {split} split; "
+                             f"lower num_fewshot to at most {pool - (needed - shots)}")
 
 
 def score_harness_task(entry: HarnessTask, model, tokenizer, split: str, batch_size: int,

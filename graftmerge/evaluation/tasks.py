@@ -108,6 +108,18 @@ class TaskSuite:
     source: Path
     fingerprint: str  # sha256 over the tasks file and every data file's bytes
 
+    @property
+    def inputs(self) -> tuple[Path, ...]:
+        """Everything the suite reads: the tasks file, each data file, each lm-eval include_path folder.
+
+        An output folder may be none of them, nor inside one: a sweep's DIR inside an
+        include_path would change the very files the suite's fingerprint covers.
+        """
+        data = [task.data for task in self.tasks if task.data is not None]
+        folders = [task.lm_eval.include_path for task in self.tasks
+                   if task.lm_eval is not None and task.lm_eval.include_path is not None]
+        return (self.source, *data, *dict.fromkeys(folders))
+
     def task(self, name: str) -> Task:
         """The task called ``name``."""
         for task in self.tasks:
@@ -345,7 +357,11 @@ def _choices(record: dict, where: str, answer: str) -> tuple[str, ...]:
 
 
 def _fingerprint(path: Path, tasks: list[Task]) -> str:
-    """sha256 over the tasks file, every data file and every include_path file (names and bytes)."""
+    """sha256 over the tasks file, every data file and every include_path file (names and bytes).
+
+    Bytecode is left out: the harness writes ``__pycache__`` beside a task's ``!function``
+    module when it first imports it, which would otherwise make every resume a new suite.
+    """""
     digest = hashlib.sha256()
 
     def add(label: str, data: bytes) -> None:
@@ -361,9 +377,14 @@ def _fingerprint(path: Path, tasks: list[Task]) -> str:
             add("lm-eval", _lm_eval_version().encode())
             if task.lm_eval.include_path is not None:
                 root = task.lm_eval.include_path
-                for file in sorted(p for p in root.rglob("*") if p.is_file()):
+                for file in sorted(p for p in root.rglob("*") if p.is_file() and not bytecode(p, root)):
                     add(f"include:{task.name}:{file.relative_to(root).as_posix()}", file.read_bytes())
     return digest.hexdigest()
+
+
+def bytecode(file: Path, root: Path) -> bool:
+    """Whether ``file`` (under ``root``) is Python's compiled cache of a module, not a file anyone wrote."""
+    return "__pycache__" in file.relative_to(root).parts or file.suffix in (".pyc", ".pyo")
 
 
 def _lm_eval_version() -> str:
