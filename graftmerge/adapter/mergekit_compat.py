@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -35,12 +36,35 @@ from mergekit.merge_methods.base import GroupMergeMethod
 from graftmerge.errors import GraftError
 
 PINNED = ">=0.1.5,<0.2"  # pyproject.toml's pin; the names below are those of these releases
+# mergekit sets the output config's dtype through transformers' deprecated `torch_dtype` alias, and
+# transformers (>= 4.56) logs a deprecation notice for it that the user of a merge cannot act on.
+TORCH_DTYPE_NOTICE = "`torch_dtype` is deprecated"
+TRANSFORMERS_CONFIG_LOGGER = "transformers.configuration_utils"
 WRAPPED = "_graftmerge_routes"  # the attribute marking mergekit.merge.run_merge as graftmerge's one wrapper
+
+
+def _not_the_torch_dtype_notice(record: logging.LogRecord) -> bool:
+    return TORCH_DTYPE_NOTICE not in record.getMessage()
+
+
+@contextlib.contextmanager
+def without_torch_dtype_notice() -> Iterator[None]:
+    """transformers' ``torch_dtype`` deprecation notice, caused by mergekit's own code, left out inside the block.
+
+    Only that one message of transformers' config logger is dropped; anything else it logs shows.
+    """
+    logger = logging.getLogger(TRANSFORMERS_CONFIG_LOGGER)
+    logger.addFilter(_not_the_torch_dtype_notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_the_torch_dtype_notice)
 
 
 def model_out_config(config, arch_info, options):
     """The output model's config.json as mergekit's run_merge writes it (``_model_out_config``)."""
-    return _merge_module()._model_out_config(config, arch_info, trust_remote_code=options.trust_remote_code)
+    with without_torch_dtype_notice():
+        return _merge_module()._model_out_config(config, arch_info, trust_remote_code=options.trust_remote_code)
 
 
 def copy_tokenizer(config, folder: str, options) -> None:
@@ -131,7 +155,8 @@ def wrap_run_merge(merge_module, routes: Mapping[str, Route], view: Callable | N
         route = routes.get(merge_config.merge_method)
         if route is None:
             return original(merge_config, out_path, options=options, config_source=config_source)
-        return route(original, merge_config, out_path, options, config_source)
+        with without_torch_dtype_notice():
+            return route(original, merge_config, out_path, options, config_source)
 
     setattr(run_merge, WRAPPED, routes)
     merge_module.run_merge = run_merge

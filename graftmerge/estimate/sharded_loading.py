@@ -50,7 +50,8 @@ def model_dtype(config, dtype: str) -> torch.dtype:
         raise GraftError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if dtype != "auto":
         return DTYPES[dtype]
-    recorded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers >= 4.56 calls it dtype (reading its old name, torch_dtype, logs a deprecation notice)
+    recorded = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     if isinstance(recorded, str):
         recorded = getattr(torch, recorded, None)
     return recorded if isinstance(recorded, torch.dtype) else torch.float32
