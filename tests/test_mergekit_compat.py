@@ -18,6 +18,7 @@ from packaging.requirements import Requirement
 from safetensors.torch import load_file
 
 from graftmerge.adapter import mergekit_compat
+from tests.helpers.runners import run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,3 +95,13 @@ def test_registering_twice_is_harmless():
     mergekit_compat.register(registry, [method])
     mergekit_compat.register(registry, [method])
     assert registered == [method]
+
+
+@pytest.mark.parametrize("first_import", ["import graftmerge.adapter.mergekit_compat",
+                                          "from graftmerge import lora_delta_state_dict"])
+def test_the_compat_module_imported_first_in_a_process_and_the_methods_still_register(first_import):
+    """It imports no ``mergekit.merge_methods`` module, whose registry's hook registers the methods built on it."""
+    code = (f"{first_import}\nfrom mergekit.merge_methods import registry\n"
+            "print(*(registry.get(m).spec.name for m in ('graft', 'fisher', 'regmean')))")
+    result = run_process("python", "-c", code)
+    assert result.returncode == 0 and result.stdout.split() == ["graft", "fisher", "regmean"], result.stderr[-2000:]

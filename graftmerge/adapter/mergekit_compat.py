@@ -31,7 +31,6 @@ import torch
 from mergekit.common import ModelReference
 from mergekit.io.tasks import LoaderCache
 from mergekit.io.tensor_writer import TensorWriter
-from mergekit.merge_methods.base import GroupMergeMethod
 
 from graftmerge.errors import GraftError
 
@@ -109,9 +108,15 @@ class ShardWriter(TensorWriter):
         self.shard_written()
 
 
-class TensorGroupMethod(GroupMergeMethod):
-    """mergekit's ``GroupMergeMethod``; in-memory inputs (``merge_state_dicts``: ids that are no model
-    references) go to :meth:`merge_in_memory` instead of tensor by tensor (mergekit's private ``_execute``)."""
+class TensorGroupMethod:
+    """Put before mergekit's ``GroupMergeMethod`` (``class M(TensorGroupMethod, GroupMergeMethod)``): in-memory
+    inputs (``merge_state_dicts``: ids that are no model references) go to :meth:`merge_in_memory` instead of
+    tensor by tensor (mergekit's private ``_execute``).
+
+    A mixin, not a subclass: importing ``mergekit.merge_methods`` runs mergekit's registry, whose import hook
+    registers the methods built on this class, so this module must be importable without it (imported first,
+    as ``from graftmerge import lora_delta_state_dict`` does, it would otherwise be half-initialised then).
+    """
 
     def merge_in_memory(self, groups, parameters, options, input_dtypes, out_dtype) -> tuple[torch.Tensor, ...]:
         """Every in-memory group at once (default: :meth:`merge_groups`)."""

@@ -16,6 +16,7 @@ import torch
 from mergekit.common import ModelReference
 from mergekit.merge_methods.base import (
     BasePolicy,
+    GroupMergeMethod,
     InputContract,
     MergeMethodSpec,
     ParameterScope,
@@ -55,7 +56,7 @@ def _key(input_id):
     return str(input_id) if isinstance(input_id, ModelReference) else input_id
 
 
-class DataAwareMergeMethod(TensorGroupMethod):
+class DataAwareMergeMethod(TensorGroupMethod, GroupMergeMethod):
     """A data-aware merge of mergekit's inputs (no base), per tensor: ``fisher`` or ``regmean``."""
 
     def __init__(self, name: str, pretty_name: str, reference_url: str, shared: tuple[ParameterSpec, ...]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from mergekit.merge_methods.base import (
     BasePolicy,
+    GroupMergeMethod,
     InputContract,
     MergeMethodSpec,
     ParameterScope,
@@ -54,7 +55,7 @@ def find_run(run_id: str | None) -> MergeRun:
     return run
 
 
-class GraftMergeMethod(TensorGroupMethod):
+class GraftMergeMethod(TensorGroupMethod, GroupMergeMethod):
     """θpost + M_ρ(Σ λ_i (θft_i − θdonor)); base_model is θpost."""
 
     def __init__(self) -> None:
