@@ -20,17 +20,20 @@ one tensor's inputs and graft at a time, whatever the grid size; the model is le
 the folders are written.
 
 DIR is filled in place, not staged, because it must outlive a kill: it is locked (``.DIR.lock``
-beside it) while a sweep runs; results.jsonl is append-only, each line fsynced; model folders
-are built in a scratch folder inside DIR and each published whole with :class:`OutputFolder`;
-chosen.json and frontier.png are replaced by rename, chosen.json last. A re-run with the same
-config, grid, tasks and evaluation settings resumes: finished points are read back, a torn
-last line is dropped and its point scored again. Nothing is created in DIR before every input
-and the task file have been checked and θpost has been scored. docs/sweeps.md has the details.
+beside it) while a sweep runs; results.jsonl is append-only, each line fsynced, and read back
+checked (:mod:`graftmerge.formats.sweep_log`); model folders are built in this run's scratch
+folder inside DIR (``.scratch.partial-PID-*``) and each published whole with :class:`OutputFolder`;
+chosen.json and frontier.png are deleted before best/ is replaced and renamed into place after
+it, chosen.json last. A re-run with the same config, grid, tasks and evaluation settings
+resumes: finished points are read back, a torn last line is dropped and its point scored
+again. Nothing is created in DIR before every input and the task file have been checked and
+θpost has been scored. docs/sweeps.md has the details.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import json
@@ -50,8 +53,9 @@ from tqdm import tqdm
 
 from graftmerge.errors import GraftError
 from graftmerge.formats.json_file import parse_json_bytes
-from graftmerge.formats.output_folder import OVERWRITE, OutputFolder, check_not_inputs, locked
+from graftmerge.formats.output_folder import MERGE, OutputFolder, check_not_inputs, check_replaceable, locked, recover
 from graftmerge.formats.results_log import ResultsLog, read_log
+from graftmerge.formats.sweep_log import FORMAT, parse_sweep_log, record_key
 from graftmerge.math.frontier import choose, pareto_frontier, qualifies
 from graftmerge.pipeline.frontier_plot import PlotPoint, plot_frontier
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan, plan_inputs
@@ -70,9 +74,9 @@ from graftmerge.pipeline.sweep import (
 )
 
 RESULTS, CHOSEN, PLOT, BEST = "results.jsonl", "chosen.json", "frontier.png", "best"
+SCRATCH = "scratch"  # a run's scratch folder is DIR/.scratch.partial-PID-XXXXXXXX (output_folder.recover's name)
 KEEP = ("best", "frontier", "all")
 DEFAULT_TOLERANCE = 0.01
-FORMAT = 1
 RULE = ("highest new-role validation score among the points whose old-role validation score is at least "
         "θpost's − τ (normalised role scores); ties: smaller λ, then smaller ρ; θpost when no point qualifies")
 POST_POINT = GridPoint(0.0, 0.0)  # what best/ holds when θpost is chosen: the λ = 0 graft, θpost as a sweep writes it
@@ -159,40 +163,34 @@ def sweep_header(source: str, lambdas: list[float], rhos: list[float], inputs: G
             "settings": evaluation.settings}
 
 
-HEADER_FIELDS = {
-    "format": "results format", "config_sha256": "graft config (sha256 of the config file)",
-    "grid": "grid", "tasks_sha256": "task file or task data (fingerprint)",
-    "inputs_sha256": "input files (a model or Fisher file changed since)", "settings": "evaluation settings",
-}
+def _previous_records(out: Path, header: dict, keep: str, points: list[GridPoint]) -> list[dict]:
+    """The records of a sweep to resume in DIR (read back checked: formats/sweep_log); [] when DIR is new.
 
-
-def check_same_sweep(found: dict, expected: dict, path: Path) -> None:
-    """GraftError naming the first field in which results.jsonl's header differs from this sweep's."""
-    for field, what in HEADER_FIELDS.items():
-        if found.get(field) != expected[field]:
-            detail = f": {found.get(field)} there, {expected[field]} here" if field in ("grid", "settings") else ""
-            raise GraftError(f"{path} is the log of another sweep (its {what} differs{detail}); give the same "
-                             "config, grid, tasks and settings to resume it, or choose another output folder")
-
-
-def _previous_records(out: Path, header: dict) -> list[dict]:
-    """The records of a sweep to resume in DIR (checked to be this sweep's); [] when DIR is new or empty."""
+    DIR belongs to the user: it is taken only when it is new, empty (hidden files aside), or holds
+    this sweep's log; a log without its header (empty, or torn by a kill) only when nothing else is
+    there. A model folder the sweep will replace must hold only files a merge writes.
+    """
     if os.path.islink(out) or (os.path.lexists(out) and not out.is_dir()):
         raise GraftError(f"output {out} exists and is not a folder (or is a link); choose another output folder")
     if not out.exists():
         return []
     results = out / RESULTS
-    if not results.exists():
-        if any(not entry.name.startswith(".") for entry in out.iterdir()):
-            raise GraftError(f"output {out} already exists, is not empty and holds no {RESULTS} of a sweep to "
-                             "resume; choose a new folder")
-        return []
-    records, _ = read_log(results)
-    if records and records[0].get("kind") != "header":
-        raise GraftError(f"{results}: the first line is not a sweep header; choose another output folder")
-    if records:
-        check_same_sweep(records[0], header, results)
-    return records
+    records = read_log(results, functools.partial(parse_sweep_log, expected=header))
+    others = [entry.name for entry in out.iterdir() if entry.name != RESULTS and not entry.name.startswith(".")]
+    if records is None and others:
+        raise GraftError(f"output {out} already exists, is not empty and holds no {RESULTS} of a sweep to "
+                         "resume; choose a new folder")
+    if records == [] and others:
+        raise GraftError(f"{results} holds no sweep header (it is empty or cut short) and {out} holds other files "
+                         f"({others[0]!r}); a sweep takes over only a folder of its own: choose a new folder")
+    names = [BEST] + ([p.folder for p in points] if keep != "best" else [])
+    for name in names:
+        check_replaceable(out / name, MERGE, hint="move them out of it or choose another output folder")
+    for name in (CHOSEN, PLOT):
+        if (out / name).is_dir() and not (out / name).is_symlink():
+            raise GraftError(f"{out / name} is a folder where the sweep writes its {name}; move it out of {out} "
+                             "or choose another output folder")
+    return records or []
 
 
 def _number(value) -> float:
@@ -211,11 +209,6 @@ def _first_nan(scores: dict, roles: dict) -> str | None:
             if not math.isfinite(_number(value)):
                 return f"the {role}-role score ({split})"
     return None
-
-
-def _key(record: dict) -> tuple:
-    """(kind, λ, ρ, splits) of a record: what it finished."""
-    return record["kind"], record.get("lambda"), record.get("rho"), tuple(record.get("splits", ()))
 
 
 class ModelWeights:
@@ -368,7 +361,7 @@ class _EvalSweep:
         """The grid, opened (scoring pass included) the first time a point is grafted or written."""
         if self._grid is None:
             self.release_model()  # the scoring pass runs without it: their memory does not add up
-            self._scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=self.out))
+            self._scratch = Path(tempfile.mkdtemp(prefix=f".{SCRATCH}.partial-{os.getpid()}-", dir=self.out))
             self._stack.callback(shutil.rmtree, self._scratch, True)
             self._grid = self._stack.enter_context(_opened_grid(self.config, self.inputs, self.plans, self.loaded,
                                                                 self.options, self._scratch))
@@ -421,6 +414,12 @@ class _EvalSweep:
         gc.collect()
         FreedMemory().step()
 
+    @property
+    def scratch(self) -> Path:
+        """This run's scratch folder inside DIR (made when the grid is opened; removed by :meth:`close`)."""
+        self._opened()
+        return self._scratch
+
     def close(self) -> None:
         """Close the grid (its scratch folder goes) and let the evaluation model go."""
         self._stack.close()
@@ -442,7 +441,8 @@ class _EvalSweep:
         grid.write(self.source, list(dict.fromkeys([best, *kept])), build, self._scratch / "spill")
         written = []
         for name, point in [(BEST, best), *((p.folder, p) for p in kept)]:
-            with OutputFolder(self.out / name, replace=OVERWRITE, inputs=self.read) as output:
+            with OutputFolder(self.out / name, replace=MERGE, inputs=self.read,
+                              hint="move them out of it or choose another output folder") as output:
                 if name == BEST and best in kept:
                     _link_files(build / point.folder, output.staging)
                 else:
@@ -460,23 +460,14 @@ def _link_files(source: Path, target: Path) -> None:
             shutil.copy2(file, target / file.name)
 
 
-def _replace_file(path: Path, data: bytes) -> None:
-    """Write ``path`` whole: a temporary file beside it, fsynced, then renamed over it."""
-    temporary = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as file:
+def _replace_file(path: Path, data: bytes, scratch: Path) -> None:
+    """Write ``path`` whole: a temporary file in the scratch folder (inside DIR), fsynced, then renamed over it."""
+    temporary = scratch / path.name
+    with open(temporary, "xb") as file:
         file.write(data)
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
-
-
-def _remove_leftovers(out: Path) -> None:
-    """What a killed run of this sweep left in DIR (scratch folders, half-written files); DIR is locked."""
-    for entry in out.iterdir():
-        if entry.name.startswith(".scratch-") and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        elif entry.name.startswith(".") and ".tmp-" in entry.name and entry.is_file():
-            entry.unlink()
 
 
 def _merged(*records: dict | None) -> dict:
@@ -534,7 +525,7 @@ def run_sweep_eval(config, source: str, plan: GraftPlan, lambdas: list[float], r
     inputs = GraftInputs.open(masked[0] if masked else plans[points[0]])
     header = sweep_header(source, lambdas, rhos, inputs, evaluation)
     with locked(out_dir) as out:
-        records = _previous_records(out, header)
+        records = _previous_records(out, header, keep, points)
         sweep = _EvalSweep(config, source, plan, plans, out, options, inputs, loaded, make_judge(), read)
         try:
             return _run(sweep, points, header, records, tolerance, keep)
@@ -545,7 +536,7 @@ def run_sweep_eval(config, source: str, plan: GraftPlan, lambdas: list[float], r
 def _run(sweep: _EvalSweep, points: list[GridPoint], header: dict, records: list[dict], tolerance: float,
          keep: str) -> SweepOutcome:
     """θpost, the points on validation, the rule, the tests, the folders, chosen.json and the plot."""
-    done = {_key(record): record for record in records[1:]}
+    done = {record_key(record): record for record in records[1:]}
     post = done.get(("post", None, None, VALIDATION + TEST)) or sweep.scored(VALIDATION + TEST)
     problem = _first_nan({task: {"validation": v.get("validation")} for task, v in post["scores"].items()},
                          {"validation": post["roles"]["validation"]})
@@ -557,11 +548,11 @@ def _run(sweep: _EvalSweep, points: list[GridPoint], header: dict, records: list
         raise GraftError(f"the tasks give no {missing[0]}-role score on validation; the rule compares old- and "
                          "new-role scores, so it needs a task of each role")
     sweep.out.mkdir(exist_ok=True)
-    _remove_leftovers(sweep.out)
-    with ResultsLog(sweep.out / RESULTS) as log:
+    recover(sweep.out / SCRATCH)  # the scratch folders of killed runs of this sweep, and only those
+    with ResultsLog(sweep.out / RESULTS, functools.partial(parse_sweep_log, expected=header)) as log:
         if not log.records:
             log.append(header)
-        if _key(post) not in done:
+        if record_key(post) not in done:
             log.append(post)
         validation = sweep.records(log, done, points, VALIDATION, "sweep --eval: validation")
         selection = select(points, validation, post, tolerance)
@@ -569,23 +560,27 @@ def _run(sweep: _EvalSweep, points: list[GridPoint], header: dict, records: list
         wanted.sort(key=lambda p: p != points[-1])  # the model holds the last point still: scored without a graft
         tests = sweep.records(log, done, wanted, TEST, "sweep --eval: test (frontier and chosen)")
     kept = {"best": [], "frontier": selection.frontier, "all": points}[keep]
+    for name in (CHOSEN, PLOT):  # they describe best/: gone before it is replaced, written again after it
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sweep.out / name)
     written = sweep.write_models(selection.chosen or POST_POINT, kept)
     summary = chosen_summary(selection, post, validation, tests, tolerance, keep, written, len(points))
-    _write_plot(sweep.out, points, validation, post, selection, tolerance)
-    _replace_file(sweep.out / CHOSEN, (json.dumps(summary, indent=2, ensure_ascii=False) + "\n").encode())
+    _write_plot(sweep.out, sweep.scratch, points, validation, post, selection, tolerance)
+    _replace_file(sweep.out / CHOSEN, (json.dumps(summary, indent=2, ensure_ascii=False) + "\n").encode(),
+                  sweep.scratch)  # last: chosen.json present means every folder it names is in place
     chosen_test = post if selection.chosen is None else tests[selection.chosen]
     return SweepOutcome(sweep.out, post, selection.chosen, chosen_test, selection.frontier, selection.qualified,
                         len(selection.failed), written)
 
 
-def _write_plot(out: Path, points: list[GridPoint], validation: dict, post: dict, selection: _Selection,
-                tolerance: float) -> None:
+def _write_plot(out: Path, scratch: Path, points: list[GridPoint], validation: dict, post: dict,
+                selection: _Selection, tolerance: float) -> None:
     """frontier.png from the validation role scores (failed points counted, not drawn), replaced whole."""
     ok = [p for p in points if "error" not in validation[p]]
     drawn = [PlotPoint(p.lam, p.rho, _number(validation[p]["roles"]["validation"]["old"]),
                        _number(validation[p]["roles"]["validation"]["new"])) for p in ok]
     roles = post["roles"]["validation"]
-    temporary = out / f".{PLOT}.tmp-{os.getpid()}.png"
+    temporary = scratch / PLOT
     plot_frontier(temporary, drawn, (_number(roles["old"]), _number(roles["new"])),
                   [ok.index(p) for p in selection.frontier],
                   None if selection.chosen is None else ok.index(selection.chosen), tolerance,
