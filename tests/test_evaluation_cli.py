@@ -207,7 +207,7 @@ def test_bad_models_and_options(setup, tmp_path):
     line = error_line(run_cli("graftmerge", "eval", str(setup["bare"]), "--tasks", tasks, "--no-progress"))
     assert "has none" in line and "--chat-template FILE" in line and '"prompt"' in line
     line = error_line(run_cli("graftmerge", "eval", str(setup["model"]), "--tasks", tasks, "--json", tasks))
-    assert "is an input" in line
+    assert "is the tasks file" in line
     line = error_line(run_cli("graftmerge", "eval", str(setup["model"]), "--tasks", str(tmp_path / "no.yml")))
     assert "tasks file" in line and "does not exist" in line
     line = error_line(run_cli("graftmerge", "eval", str(setup["model"]), "--tasks", tasks, "--split", "train"))

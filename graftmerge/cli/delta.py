@@ -122,13 +122,20 @@ def stats(delta_folder: Path, fisher: Path | None, base: Path | None, top: float
     DELTA may be a PEFT LoRA folder (adapter_config.json); then --base is needed.
     """
     # lazy: the report loads torch and matplotlib; only when the command runs, so --help stays fast
+    from graftmerge.formats.output_file import check_output_file, replacing, write_output_file
     from graftmerge.pipeline.delta_report import compute_stats, format_table, plot_stats
 
+    inputs = [("delta", delta_folder), ("Fisher cache", fisher), ("base model", base)]
+    for option, path in (("--plot", plot), ("--json", json_file)):
+        if path is not None:
+            check_output_file(path, inputs, option)  # before any work: inputs are never modified
     result = compute_stats(delta_folder, fisher, top=top, progress=not quiet, base=base)
     click.echo(format_table(result, tensors=not blocks_only))
     if plot is not None:
-        click.echo(f"wrote plot {plot_stats(result, plot)}")
+        with replacing(plot, inputs, "--plot") as temporary:
+            plot_stats(result, temporary)
+        click.echo(f"wrote plot {plot}")
     if json_file is not None:
-        json_file.write_text(json.dumps(result.to_json(), indent=1))
+        write_output_file(json_file, json.dumps(result.to_json(), indent=1).encode(), inputs, "--json")
         click.echo(f"wrote {json_file}")
 

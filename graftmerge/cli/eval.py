@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
-from pathlib import Path
 
 import click
 
@@ -75,13 +72,15 @@ def eval_command(model: str, tasks_file: str, split: str, json_path: str | None,
     import torch
 
     from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, load_tokenizer
+    from graftmerge.formats.output_file import check_output_file, write_output_file
 
     suite = load_tasks(tasks_file)
     splits = ("validation", "test") if split == "all" else (split,)
     if split != "all":
         suite.check_splits(splits)
-    if json_path is not None:
-        check_json_target(json_path, suite)
+    if json_path is not None:  # checked before any work: inputs are never modified
+        inputs = json_inputs(model, suite, chat_template)
+        check_output_file(json_path, inputs, "--json")
     if cuda and not torch.cuda.is_available():
         raise GraftError("--cuda: no CUDA device is available")
     device = "cuda" if cuda else "cpu"
@@ -93,19 +92,18 @@ def eval_command(model: str, tasks_file: str, split: str, json_path: str | None,
     report = scores_report(evaluator.suite, scores, splits)
     click.echo(format_report(report))
     if json_path is not None:
-        write_json_atomically(Path(json_path), {"model": model, "tasks_file": str(suite.source),
-                                                "fingerprint": suite.fingerprint, **report})
+        record = {"model": model, "tasks_file": str(suite.source), "fingerprint": suite.fingerprint, **report}
+        write_output_file(json_path, (json.dumps(jsonable(record), indent=1) + "\n").encode(), inputs, "--json")
 
 
-def check_json_target(json_path: str, suite) -> None:
-    """GraftError if --json would overwrite the tasks file or a data file (inputs are never modified)."""
-    target = Path(json_path).resolve()
-    inputs = [suite.source, *(task.data for task in suite.tasks if task.data is not None)]
-    for path in inputs:
-        if path.resolve() == target:
-            raise GraftError(f"--json {json_path} is an input ({path}); write the scores elsewhere")
-    if target.is_dir():
-        raise GraftError(f"--json {json_path} is a folder; give a file name")
+def json_inputs(model: str, suite, chat_template: str | None) -> list[tuple[str, str | None]]:
+    """(label, path) of everything eval reads: --json may be none of them, nor inside one."""
+    # lazy: resolving a Hub id reads the HF cache layout; only when --json is given
+    from graftmerge.hub.models import resolve_model_folder
+
+    data = [(f"data file of task {task.name}", task.data) for task in suite.tasks if task.data is not None]
+    return [("model", resolve_model_folder(model)), ("tasks file", suite.source), *data,
+            ("chat template", chat_template)]
 
 
 def scores_report(suite, scores: dict[str, dict[str, float]], splits) -> dict:
@@ -152,22 +150,6 @@ def format_report(report: dict) -> str:
 def number(value: float) -> str:
     """Four decimals; NaN as "nan" (a model that gave non-finite numbers)."""
     return "nan" if math.isnan(value) else f"{value:.4f}"
-
-
-def write_json_atomically(path: Path, record: dict) -> None:
-    """``record`` as JSON (NaN as null), written beside ``path`` then renamed over it."""
-    text = json.dumps(jsonable(record), indent=1) + "\n"
-    try:
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as error:
-        raise GraftError(f"cannot write --json {path}: {error.strerror or error}") from error
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.replace(temporary, path)
-    except OSError as error:
-        Path(temporary).unlink(missing_ok=True)
-        raise GraftError(f"cannot write --json {path}: {error.strerror or error}") from error
 
 
 def jsonable(value):

@@ -160,6 +160,12 @@ def estimate(
 
         click.echo(dry_run(settings, world_size or int(os.environ.get("WORLD_SIZE", "2"))))
         return
+    if settings.save_rollouts is not None:  # checked before any work: inputs and OUTPUT are never overwritten
+        from graftmerge.formats.output_file import check_output_file
+
+        check_output_file(settings.save_rollouts, [
+            ("model", settings.model), ("prompts file", settings.prompts), ("rollouts file", settings.rollouts),
+            ("output folder", settings.output)], "--save-rollouts")
     if settings.fsdp:
         from graftmerge.estimate.sharded_run import estimate_fisher_sharded
 

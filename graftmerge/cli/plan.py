@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import click
 
@@ -75,14 +74,19 @@ def plan(config_file: str, rho_list: str, device: str, json_path: str | None, no
     from mergekit.options import MergeOptions
 
     from graftmerge.adapter import import_hook
+    from graftmerge.formats.output_file import check_output_file, write_output_file
     from graftmerge.pipeline.config_files import read_graft_config
+    from graftmerge.pipeline.graft_plan import plan_inputs
     from graftmerge.pipeline.plan import bind_report_schedule, format_report, plan_report, report_json
 
     import_hook.install()  # a schedule is resolved by mergekit's planner, which must know graft
     rhos = parse_values(rho_list, "--rho", rho=True)
     config, _, graft_plan = read_graft_config(config_file)
+    inputs = [("config", config_file), *plan_inputs(graft_plan)]
+    if json_path:
+        check_output_file(json_path, inputs, "--json")  # before the scoring pass: inputs are never modified
     inputs = bind_report_schedule(open_for_masks(graft_plan, rhos), config, MergeOptions())
     report = plan_report(inputs, rhos, device=device, progress=not no_progress)
     click.echo(format_report(report))
     if json_path:
-        Path(json_path).write_text(json.dumps(report_json(report), indent=1))
+        write_output_file(json_path, json.dumps(report_json(report), indent=1).encode(), inputs, "--json")

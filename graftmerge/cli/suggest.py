@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import click
 
@@ -65,6 +64,7 @@ def suggest(config_file: str, rho_grid: str | None, kl_budget: str, max_lambda: 
     graftmerge suggest graft.yml --kl-budget 0.02 --rho-grid 0.0001,0.001,0.01,0.1 --json s.json
     """
     # lazy: suggesting reads the graft plan (torch, mergekit); only when the command runs, so --help stays fast
+    from graftmerge.formats.output_file import check_output_file, write_output_file
     from graftmerge.pipeline.suggest import format_suggestion, suggest_graft
 
     budget = parse_positive(kl_budget, "--kl-budget")
@@ -74,8 +74,21 @@ def suggest(config_file: str, rho_grid: str | None, kl_budget: str, max_lambda: 
         grid = parse_values(rho_grid, "--rho-grid", rho=True)
         if 0.0 in grid:
             raise GraftError("--rho-grid: ρ = 0 has no place on a log grid; give values in (0, 1)")
+    inputs = suggestion_inputs(config_file, fisher)
+    if json_path:
+        check_output_file(json_path, inputs, "--json")  # before the scoring pass: inputs are never modified
     suggestion = suggest_graft(config_file, rho_grid=grid, kl_budget=budget, max_lambda=cap, fisher=fisher,
                                device=device, progress=not no_progress)
     click.echo(format_suggestion(suggestion))
     if json_path:
-        Path(json_path).write_text(json.dumps(suggestion.to_dict(), indent=1))
+        write_output_file(json_path, json.dumps(suggestion.to_dict(), indent=1).encode(), inputs, "--json")
+
+
+def suggestion_inputs(config_file: str, fisher: str | None) -> list[tuple[str, str | None]]:
+    """(label, path) of everything suggest reads (the config, what it names, --fisher): --json may be none of them."""
+    # lazy: the graft plan loads mergekit; only when the command runs
+    from graftmerge.pipeline.config_files import read_graft_config
+    from graftmerge.pipeline.graft_plan import plan_inputs
+
+    _, _, plan = read_graft_config(config_file)
+    return [("config", config_file), *plan_inputs(plan), ("Fisher cache (--fisher)", fisher)]

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,8 +255,9 @@ def write_rollouts(
     """Save rollouts as pre-tokenised JSONL (plus decoded text when a tokenizer is at hand)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # never a user's file
+    tmp = Path(name)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
         for rollout in rollouts:
             record: dict[str, Any] = {
                 "prompt_ids": list(rollout.prompt_ids),

@@ -135,9 +135,11 @@ def _chain(path: Path) -> set[tuple[int, int]]:
     return found - {None}
 
 
-def check_not_inputs(out: str | os.PathLike, inputs: Inputs) -> None:
+def check_not_inputs(out: str | os.PathLike, inputs: Inputs, what: str = "output folder") -> None:
     """GraftError when OUT is one of ``inputs`` ((label, path) pairs), is inside one, or contains one.
 
+    The one check for every path a command writes: an output folder, or a file (``what``
+    names it as the user gave it, e.g. ``--json``; :mod:`graftmerge.formats.output_file`).
     Compared by real path and by (device, inode) of OUT, the inputs and all their ancestors,
     so a symbolic link, ``a/../a``, ``.`` or a bind mount is seen through. OUT need not
     exist. Reads only: call it before anything is locked, recovered or created.
@@ -159,8 +161,11 @@ def check_not_inputs(out: str | os.PathLike, inputs: Inputs) -> None:
             how = "contains"
         else:
             continue
-        raise GraftError(f"output folder {out} {how} the {label} {path}: writing OUT would replace or delete "
-                         "that input; choose an output folder outside every input")
+        if what == "output folder":
+            raise GraftError(f"output folder {out} {how} the {label} {path}: writing OUT would replace or delete "
+                             "that input; choose an output folder outside every input")
+        raise GraftError(f"{what} {out} {how} the {label} {path}, which this command reads or replaces: writing "
+                         f"{what} there would overwrite or lose it; give a path outside every input and output")
 
 
 def lock_path(out: Path) -> Path:
