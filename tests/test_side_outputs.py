@@ -25,7 +25,7 @@ from graftmerge.testing.tiny_tokenizer import save_tiny_chat_model
 from tests.helpers.configs import graft_yaml
 from tests.helpers.estimation import make_model, random_rollouts
 from tests.helpers.models import tree_digest
-from tests.helpers.runners import cli, one_line_error
+from tests.helpers.runners import cli, error_line, one_line_error, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +156,15 @@ def test_writing_rollouts_never_touches_a_users_file_named_like_the_temporary(tm
     assert (tmp_path / "rollouts.jsonl.tmp").read_text() == "the user's"
     assert len((tmp_path / "rollouts.jsonl").read_text().splitlines()) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rollouts.jsonl", "rollouts.jsonl.tmp"]
+
+
+@pytest.mark.parametrize("script", ["mergekit-yaml", "graftmerge merge"])
+def test_a_merge_never_replaces_the_folder_holding_its_config(world, tmp_path, script):
+    """OUT may hold only files a merge writes, and a .yml is one: the config is an input all the same."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    config = configs / "graft.yml"
+    config.write_text(world["config"].read_text())
+    result = run_cli(*script.split(), str(config), str(configs))
+    assert "contains the merge config" in error_line(result)
+    assert os.listdir(configs) == ["graft.yml"] and config.read_text() == world["config"].read_text()

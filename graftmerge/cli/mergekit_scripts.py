@@ -14,6 +14,7 @@ import sys
 
 from graftmerge.cli.errors import one_line_click_errors, raise_for_cli
 from graftmerge.errors import GraftError
+from graftmerge.formats.output_folder import check_not_inputs
 from graftmerge.pipeline.config_files import check_yaml_documents, read_merge_config
 
 
@@ -37,6 +38,8 @@ def wrap_config_script(script_module) -> None:
         """Read the config with graftmerge's checks, then run mergekit's command (docstring: the original's)."""
         try:
             check(kwargs["config_file"])
+            if "out_path" in kwargs:  # OUT replaced whole may not hold the config file (an input like any other)
+                check_not_inputs(kwargs["out_path"], [("merge config", kwargs["config_file"])])
             return original(*args, **kwargs)
         except GraftError as error:
             raise_for_cli(error, verbose=_verbosity(kwargs) > 0)
