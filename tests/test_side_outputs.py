@@ -21,11 +21,11 @@ import pytest
 from graftmerge.errors import GraftError
 from graftmerge.estimate.rollouts import write_rollouts
 from graftmerge.formats.output_file import check_output_file, write_output_file
-from tests.helpers.tiny_tokenizer import save_tiny_chat_model
 from tests.helpers.configs import graft_yaml
 from tests.helpers.estimation import make_model, random_rollouts
 from tests.helpers.models import tree_digest
 from tests.helpers.runners import cli, error_line, one_line_error, run_cli
+from tests.helpers.tiny_tokenizer import save_tiny_chat_model
 
 
 @pytest.fixture(scope="module")
