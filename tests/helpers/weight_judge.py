@@ -12,9 +12,6 @@ import json
 import math
 from pathlib import Path
 
-# mergekit's registry before graftmerge's modules: importing adapter/mergekit_compat first is a circular
-# import on main today (reported)
-import mergekit.merge_methods  # noqa: F401
 import torch
 from mergekit.options import MergeOptions
 from transformers import AutoModelForCausalLM
