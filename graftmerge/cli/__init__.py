@@ -118,6 +118,9 @@ MAIN_COMMANDS = {
               "Grafts as files: a delta Δ = weight·(θft − θdonor), like a LoRA adapter but full-rank."),
     "eval": ("graftmerge.cli.eval", "eval_command",
              "Score MODEL (a folder, or a Hub id in the local cache) on a tasks file, per task and role."),
+    "continual": ("graftmerge.cli.continual", "continual",
+                  "Graft a stream of updates one after another, re-estimating the Fisher and re-choosing λ, ρ at "
+                  "each step."),
     "import-gguf": ("graftmerge.cli.import_gguf", "import_gguf",
                     "Dequantize a GGUF causal LM (llama.cpp format) into a Hugging Face model folder."),
 }
@@ -141,6 +144,7 @@ def main() -> None:
     graftmerge sweep graft.yml --lambda 0.5,1 --rho 0,0.01 -o DIR
                                            one model per (λ, ρ), inputs read once
     graftmerge eval MODEL --tasks tasks.yml   score a model: per task, old and new roles
+    graftmerge continual stream.yml -o DIR   graft a stream of updates; forgetting matrix, ACC/BWT/FWT
     graftmerge fisher estimate MODEL ...   estimate a retention Fisher cache
     graftmerge fisher compress CACHE -k K -o OUT   keep the top-K KFAC eigenvectors per side
     graftmerge delta extract DONOR FT -o D write a graft as a shareable folder

@@ -17,6 +17,8 @@ FISHER_COMMANDS = {
              "Download the Fisher cache REPO_ID[@REV] (also hf://org/name@rev) into the Hugging Face cache."),
     "compress": ("graftmerge.cli.fisher_compress", "fisher_compress",
                  "Copy a KFAC Fisher cache keeping only the top-K eigenvectors of each factor side."),
+    "accumulate": ("graftmerge.cli.fisher_accumulate", "fisher_accumulate",
+                   "Write OUT = decay·OLDER + NEWER, diagonal by diagonal (online EWC's running Fisher)."),
 }
 
 

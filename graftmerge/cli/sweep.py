@@ -102,22 +102,9 @@ def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[floa
                      tasks_file: str, tolerance: float | None, keep: str | None, eval_dtype: str | None) -> None:
     """``sweep --eval``: the task file and τ checked first, then the sweep with θpost as the evaluation model."""
     # lazy: evaluation loads transformers and the task file's data only when --eval is given
-    from graftmerge.evaluation import (
-        Evaluator,
-        load_model_for_eval,
-        load_tasks,
-        load_tokenizer,
-        role_scores,
-    )
+    from graftmerge.evaluation import load_tasks
     from graftmerge.pipeline.config_files import read_graft_config
-    from graftmerge.pipeline.sweep_eval import (
-        DEFAULT_TOLERANCE,
-        Evaluation,
-        Judge,
-        check_tolerance,
-        run_sweep_eval,
-        written_dtype,
-    )
+    from graftmerge.pipeline.sweep_eval import DEFAULT_TOLERANCE, check_tolerance, run_sweep_eval, written_dtype
 
     tolerance = check_tolerance(DEFAULT_TOLERANCE if tolerance is None else tolerance)
     suite = load_tasks(tasks_file)
@@ -129,26 +116,37 @@ def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[floa
     device = options.device or "cpu"
     dtype = eval_dtype or ("float32" if device == "cpu" else "bfloat16")  # `graftmerge eval`'s default
     dtype = written_dtype(config, plan.post) if dtype == "auto" else dtype
+    evaluation, make_judge = eval_judge(suite, plan.post, options, dtype)
+    outcome = run_sweep_eval(config, source, plan, lambdas, rhos, out_dir, options, evaluation, make_judge,
+                             tolerance=tolerance, keep=keep or "best")
+    _report(outcome, tolerance)
+
+
+def eval_judge(suite, post: str, options: MergeOptions, dtype: str):
+    """(Evaluation, make_judge) of ``sweep --eval``: ``suite`` scored on validation and test, θpost loaded from
+    ``post`` (a folder) in ``dtype`` on the options' device; ``graftmerge continual`` uses it at every step."""
+    # lazy: evaluation loads transformers; only when a sweep scores its points
+    from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tokenizer, role_scores
+    from graftmerge.pipeline.sweep_eval import Evaluation, Judge
+
+    device = options.device or "cpu"
     files = tuple(map(str, suite.inputs))  # DIR may be none of them, nor inside one (an include_path included)
     evaluation = Evaluation(files, suite.fingerprint, {"dtype": dtype, "device": device, "batch_size": EVAL_BATCH_SIZE})
 
     def make_judge() -> Judge:
         """The evaluator (every task checked against θpost's tokenizer) and how to load θpost's weights."""
-        tokenizer = load_tokenizer(plan.post, trust_remote_code=options.trust_remote_code)
+        tokenizer = load_tokenizer(post, trust_remote_code=options.trust_remote_code)
         evaluator = Evaluator(suite, tokenizer, device=device, batch_size=EVAL_BATCH_SIZE,
                               progress=not options.quiet, splits=("validation", "test"))
 
         def load_model():
             """θpost's weights, as `graftmerge eval` loads a folder."""
-            return load_model_for_eval(plan.post, device=device, dtype=dtype,
-                                       trust_remote_code=options.trust_remote_code)[0]
+            return load_model_for_eval(post, device=device, dtype=dtype, trust_remote_code=options.trust_remote_code)[0]
 
         return Judge(load_model, lambda scored, splits: evaluator.score(scored, splits),
                      lambda scores, split: role_scores(evaluator.suite, scores, split))
 
-    outcome = run_sweep_eval(config, source, plan, lambdas, rhos, out_dir, options, evaluation, make_judge,
-                             tolerance=tolerance, keep=keep or "best")
-    _report(outcome, tolerance)
+    return evaluation, make_judge
 
 
 def _report(outcome, tolerance: float) -> None:
