@@ -17,7 +17,8 @@ def write_task(folder: Path, name: str, rows: list[tuple[str, str, str]], role: 
     (folder / f"{name}.jsonl").write_text("".join(
         json.dumps({"messages": [{"role": "user", "content": q}], "answer": a, "split": s}) + "\n"
         for q, a, s in rows))
-    (folder / f"{name}.yml").write_text(f"tasks:\n  - {{name: {name}, role: {role}, metric: nll, data: {name}.jsonl}}\n")
+    entry = f"{{name: {name}, role: {role}, metric: nll, data: {name}.jsonl}}"
+    (folder / f"{name}.yml").write_text(f"tasks:\n  - {entry}\n")
     return folder / f"{name}.yml"
 
 
