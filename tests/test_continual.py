@@ -14,9 +14,9 @@ import pytest
 import torch
 import yaml
 
+from graftmerge.demo.tiny_models import save_tiny_model
 from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
 from graftmerge.math.forgetting import group_means, transfer
-from graftmerge.testing.tiny_models import save_tiny_model
 from tests.helpers.continual import tiny_stream
 from tests.helpers.models import assert_identical, read_model, tree_digest
 from tests.helpers.runners import ROOT, error_line, run_cli

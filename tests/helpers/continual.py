@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 from transformers import AutoModelForCausalLM
 
-from graftmerge.testing.tiny_models import save_tiny_model
-from graftmerge.testing.tiny_tokenizer import save_tiny_chat_model
+from graftmerge.demo.tiny_models import save_tiny_model
+from tests.helpers.tiny_tokenizer import save_tiny_chat_model
 
 
 def write_task(folder: Path, name: str, rows: list[tuple[str, str, str]], role: str) -> Path:
