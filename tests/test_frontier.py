@@ -78,3 +78,33 @@ def test_no_qualifying_or_only_failed_points_choose_nothing():
 def test_equal_points_are_both_on_the_frontier_and_dominated_ones_are_not():
     old, new = [0.5, 0.5, 0.4, 0.9, 0.2], [0.5, 0.5, 0.5, 0.1, 0.9]
     assert pareto_frontier(old, new) == [3, 0, 1, 4]
+
+
+def legend_of(figure) -> list[str]:
+    return [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+
+
+def test_the_picture_keys_every_lambda_by_its_size_and_every_rho_by_its_colour():
+    from graftmerge.pipeline.frontier_plot import PlotPoint, frontier_figure
+
+    points = [PlotPoint(lam, rho, old=0.9 - 0.1 * lam - rho, new=0.2 + 0.3 * lam + rho)
+              for lam in (0.25, 0.5, 1.0) for rho in (0.0, 0.01)]
+    figure = frontier_figure(points, (0.9, 0.2), frontier=[0, 3, 5], chosen=3, tolerance=0.1)
+    entries = legend_of(figure)
+    assert [e for e in entries if e.startswith("λ = ")] == ["λ = 0.25", "λ = 0.5", "λ = 1"]
+    assert [e for e in entries if e.startswith("ρ = ")] == ["ρ = 0", "ρ = 0.01"]
+    assert "Pareto frontier (λ, ρ)" in entries
+    key = {e: h for e, h in zip(entries, figure.axes[0].get_legend().legend_handles)}
+    sizes = [key[f"λ = {lam:g}"].get_sizes()[0] for lam in (0.25, 0.5, 1.0)]
+    first_rho = figure.axes[0].collections[0]  # the ρ = 0 points, in λ order
+    drawn = dict(zip((0.25, 0.5, 1.0), first_rho.get_sizes()))
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1] and sizes == [drawn[lam] for lam in (0.25, 0.5, 1.0)]
+
+
+def test_a_frontier_of_one_point_has_no_line_and_no_legend_entry_for_one():
+    from graftmerge.pipeline.frontier_plot import PlotPoint, frontier_figure
+
+    points = [PlotPoint(0.5, 0.0, old=0.85, new=0.6), PlotPoint(1.0, 0.0, old=0.5, new=0.3)]
+    figure = frontier_figure(points, (0.9, 0.2), frontier=[0], chosen=0, tolerance=0.1)
+    assert "Pareto frontier (λ, ρ)" not in legend_of(figure)
+    assert not figure.axes[0].get_lines()[1:]  # the τ line alone

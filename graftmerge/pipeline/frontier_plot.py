@@ -2,9 +2,11 @@
 
 θpost is the black star; the shaded band is where a point's old-role score is within τ of
 θpost's (the points the rule may choose); the black line is the Pareto frontier, each of its
-points labelled with its (λ, ρ); the chosen point is ringed in red. Colour tells ρ, size tells
-λ. Labels are placed one by one at the first of several offsets where they overlap no earlier
-label, marker or the axes' edge (the fewest overlaps when none is free), so they stay legible.
+points labelled with its (λ, ρ) (a frontier of one point is its label alone: no line, and no
+legend entry for one); the chosen point is ringed in red. Colour tells ρ, size tells λ, and
+the legend keys both: one entry per ρ, one grey marker of each size per λ. Labels are placed
+one by one at the first of several offsets where they overlap no earlier label, marker or the
+axes' edge (the fewest overlaps when none is free), so they stay legible.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def _marker_boxes(figure: Figure, axes, xs: list[float], ys: list[float], radius
 
 
 def _draw_points(axes, points: list[PlotPoint]) -> None:
-    """Every point, coloured by ρ and sized by λ, with one legend entry per ρ."""
+    """Every point, coloured by ρ and sized by λ, with one legend entry per ρ and one per λ (its size, in grey)."""
     colours = {rho: f"C{index % 10}" for index, rho in enumerate(sorted({p.rho for p in points}))}
     lambdas = sorted({p.lam for p in points})
     size = {lam: 30 + 60 * index / max(1, len(lambdas) - 1) for index, lam in enumerate(lambdas)}
@@ -85,11 +87,20 @@ def _draw_points(axes, points: list[PlotPoint]) -> None:
         axes.scatter([p.new for p in chosen], [p.old for p in chosen], s=[size[p.lam] for p in chosen],
                      color=colour, alpha=0.75, edgecolors="white", linewidths=0.5, zorder=3,
                      label=f"ρ = {rho:g}")
+    for lam in lambdas:  # the size key: nothing drawn on the axes, an entry in the legend
+        axes.scatter([], [], s=size[lam], color="0.55", alpha=0.75, edgecolors="white", label=f"λ = {lam:g}")
 
 
 def plot_frontier(path: Path, points: list[PlotPoint], post: tuple[float, float], frontier: list[int],
                   chosen: int | None, tolerance: float, failed: int = 0) -> Path:
     """Draw the sweep's validation scores to ``path`` (PNG); ``post`` is θpost's (old, new); indices into ``points``."""
+    frontier_figure(points, post, frontier, chosen, tolerance, failed).savefig(path, format="png")
+    return path
+
+
+def frontier_figure(points: list[PlotPoint], post: tuple[float, float], frontier: list[int], chosen: int | None,
+                    tolerance: float, failed: int = 0) -> Figure:
+    """The figure :func:`plot_frontier` saves."""
     figure = Figure(figsize=(8, 6), dpi=130)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
@@ -102,8 +113,9 @@ def plot_frontier(path: Path, points: list[PlotPoint], post: tuple[float, float]
     axes.axhline(post_old - tolerance, color="tab:green", lw=0.8, ls="--", zorder=1)
     _draw_points(axes, points)
     line = [points[i] for i in frontier]
-    axes.plot([p.new for p in line], [p.old for p in line], color="black", lw=1.2, zorder=2,
-              label="Pareto frontier (λ, ρ)")
+    if len(line) > 1:  # one point makes no line: no legend entry for what is not drawn
+        axes.plot([p.new for p in line], [p.old for p in line], color="black", lw=1.2, zorder=2,
+                  label="Pareto frontier (λ, ρ)")
     axes.scatter([post_new], [post_old], marker="*", s=260, color="black", zorder=5, label="θpost")
     ring = (post_new, post_old) if chosen is None else (points[chosen].new, points[chosen].old)
     axes.scatter(*ring, s=420, facecolors="none", edgecolors="tab:red", linewidths=2, zorder=6,
@@ -112,7 +124,7 @@ def plot_frontier(path: Path, points: list[PlotPoint], post: tuple[float, float]
     axes.set(xlabel="new-role score (validation)", ylabel="old-role score (validation)",
              title=f"sweep: {len(points)} points, τ = {tolerance:g}{note}")
     axes.grid(True, alpha=0.25)
-    axes.legend(fontsize=8, loc="best", framealpha=0.9, markerscale=0.6, title="colour: ρ, size: λ", title_fontsize=8)
+    axes.legend(fontsize=8, loc="best", framealpha=0.9, title="colour: ρ, size: λ", title_fontsize=8)
     figure.tight_layout()
     labelled = [("chosen: θpost" if chosen is None else f"chosen ({points[chosen].lam:g}, {points[chosen].rho:g})",
                  *ring, "tab:red")]
@@ -122,5 +134,4 @@ def plot_frontier(path: Path, points: list[PlotPoint], post: tuple[float, float]
     obstacles = _marker_boxes(figure, axes, xs, ys) + _marker_boxes(figure, axes, [ring[0]], [ring[1]], radius=12)
     legend = axes.get_legend().get_window_extent(figure.canvas.get_renderer())
     _place_labels(figure, axes, labelled, obstacles + [legend])
-    figure.savefig(path, format="png")
-    return path
+    return figure
