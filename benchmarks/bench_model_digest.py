@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+from common import qwen3_config, write_checkpoint
 
-from benchmarks.common import qwen3_config, write_checkpoint
 from graftmerge.formats import model_content
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.file_hash import file_sha256
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-digest-"))
-    os.environ.setdefault("GRAFTMERGE_CACHE_DIR", str(workdir / "user-cache"))
+    os.environ["GRAFTMERGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="user-cache-", dir=workdir)  # nothing remembered
     model = workdir / "qwen3-0.6b"
     if not model.exists():
         generator = torch.Generator().manual_seed(0)
