@@ -196,6 +196,8 @@ EDITS = {
     "a negative diagonal sum": (resealed(_set("diagonal/", -1.0)), "negative value"),
     "a NaN sum": (resealed(_set("rows/", float("nan"))), "NaN or Inf"),
     "a factor no outer products sum to": (resealed(_break_cauchy_schwarz), "every sum of outer products keeps"),
+    "missing counts": (resealed(lambda p: p["state"].pop("counts")), "lacks 'counts'"),
+    "a sparse sum": (lambda folder: _sparse(folder), "damaged"),
     "edited counts": (resealed(lambda p: p["state"]["counts"].add_(1)), "are not the (sequences, tokens"),
     "an edited position": (resealed(lambda p: p.update(batches_done=4)), "are not the (sequences, tokens"),
     "a position past the end": (resealed(lambda p: p.update(batches_done=6)), "batches were done"),
@@ -217,6 +219,13 @@ def _unsealed(folder: Path) -> None:
     torch.save(payload, folder / "rank00000.pt")
 
 
+def _sparse(folder: Path) -> None:
+    payload = torch.load(folder / "rank00000.pt", weights_only=True)
+    key = _first_sum(payload, "rows/")
+    payload["state"][key] = payload["state"][key].to_sparse()
+    torch.save(payload, folder / "rank00000.pt")
+
+
 def _old_format(folder: Path) -> None:
     payload = torch.load(folder / "rank00000.pt", weights_only=True)
     torch.save({k: payload[k] for k in ("fingerprint", "batches_done", "state")}, folder / "rank00000.pt")
@@ -227,3 +236,18 @@ def test_an_edited_damaged_or_foreign_checkpoint_is_one_line(tmp_path, setup, ca
     edit, expected = EDITS[case]
     result, output, folder = resume(tmp_path, setup, edit=edit)
     refused(result, output, folder, expected)
+
+
+def test_honest_sums_pass_the_value_checks_and_only_their_kept_part_is_read():
+    """Sums of outer products in float32 (two columns perfectly correlated, more rows than one strip) pass; the
+    part below the diagonal blocks, which the sharded accumulator does not keep, is not read; one entry past
+    Cauchy–Schwarz anywhere above the diagonal is refused."""
+    x = torch.randn(64, checkpointing.STRIP_ROWS + 77, generator=torch.Generator().manual_seed(0))
+    x[:, 1] = 3 * x[:, 0]
+    total = x.T @ x
+    assert checkpointing.sum_problem("columns/w", total) is None
+    kept = torch.triu(total) - torch.tril(torch.full_like(total, 1e9), diagonal=-1)
+    assert checkpointing.sum_problem("factor/columns/w", kept) is None
+    kept[0, -1] = 2 * (total[0, 0] * total[-1, -1]).sqrt()
+    assert "breaks" in checkpointing.sum_problem("factor/columns/w", kept)
+    assert "negative value" in checkpointing.sum_problem("diagonal/w", -torch.ones(3))

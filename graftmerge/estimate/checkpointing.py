@@ -38,6 +38,7 @@ VERSION = 2
 FIELDS = {"format", "version", "fingerprint", "rank", "batches_done", "state", "seal"}
 ROLLOUTS_NAME = "rollouts.jsonl"
 ROLLOUTS_RECORD = "rollouts.json"
+STRIP_ROWS = 1024
 CAUCHY_SCHWARZ_SLACK = 1e-3  # relative: rounding of a float32 sum of outer products stays far below it
 
 
@@ -133,9 +134,15 @@ def _check_payload(payload: Any, target: Path, folder: Path, print_: str) -> Non
         )
     state = payload["state"]
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              and v.layout == torch.strided and not v.is_quantized
                                               for k, v in state.items()):
-        raise GraftError(f"checkpoint {target} is damaged (its sums are not tensors by name); {_redo(folder)}")
-    if not isinstance(payload["seal"], str) or payload["seal"] != seal(payload):
+        raise GraftError(f"checkpoint {target} is damaged (its sums are not dense tensors by name); "
+                         f"{_redo(folder)}")
+    try:
+        sealed = seal(payload)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise GraftError(f"checkpoint {target} is damaged ({error}); {_redo(folder)}") from error
+    if not isinstance(payload["seal"], str) or payload["seal"] != sealed:
         raise GraftError(f"checkpoint {target} was edited or damaged (its content does not match its seal); "
                          f"{_redo(folder)}")
 
@@ -143,7 +150,7 @@ def _check_payload(payload: Any, target: Path, folder: Path, print_: str) -> Non
 def check_sums(state: dict[str, torch.Tensor], expected: Expected, target: Path, folder: Path) -> None:
     """Every sum this run needs, no other, each with its shape and dtype, finite and possible as a sum."""
     optional = expected.optional or {}
-    missing = sorted(set(expected.sums) - set(state))
+    missing = sorted({*expected.sums, "counts"} - set(state))
     unknown = sorted(set(state) - set(expected.sums) - set(optional) - {"counts"})
     if missing or unknown:
         which = f"lacks {missing[0]!r}" if missing else f"holds {unknown[0]!r}, which this run does not sum"
@@ -152,7 +159,7 @@ def check_sums(state: dict[str, torch.Tensor], expected: Expected, target: Path,
         if key == "counts":
             continue
         shape, dtype = expected.sums.get(key) or optional[key]
-        if tensor.layout != torch.strided or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise GraftError(f"checkpoint {target}: sum {key!r} is {tuple(tensor.shape)} {tensor.dtype}, this run's "
                              f"is {shape} {dtype}; {_redo(folder)}")
         problem = sum_problem(key, tensor)
@@ -175,10 +182,14 @@ def sum_problem(key: str, tensor: torch.Tensor) -> str | None:
     diagonal = tensor.diagonal()
     if bool((diagonal < 0).any()):
         return "has a negative diagonal entry, which no sum of outer products has"
-    bound = torch.sqrt(diagonal[:, None].double() * diagonal[None, :].double())
-    slack = CAUCHY_SCHWARZ_SLACK * bound + 1e-6 * float(diagonal.max())
-    if bool((torch.triu(tensor.double().abs() - bound - slack) > 0).any()):
-        return "breaks |A_ij| ≤ √(A_ii·A_jj), which every sum of outer products keeps"
+    roots = diagonal.sqrt()
+    slack = 1e-6 * float(diagonal.max())
+    for start in range(0, tensor.shape[0], STRIP_ROWS):  # by strips: no d × d temporary
+        stop = min(start + STRIP_ROWS, tensor.shape[0])
+        bound = roots[start:stop, None] * roots[None, start:] * (1 + CAUCHY_SCHWARZ_SLACK) + slack
+        excess = tensor[start:stop, start:].abs() - bound
+        if bool((torch.triu(excess) > 0).any()):
+            return "breaks |A_ij| ≤ √(A_ii·A_jj), which every sum of outer products keeps"
     return None
 
 
