@@ -225,3 +225,16 @@ def test_a_bigger_model_hashes_per_tensor_the_same_after_a_reshard(tmp_path):
     first = model_content.weights_sha256(Checkpoint(tmp_path / "a"))
     assert len(Checkpoint(tmp_path / "a").layouts) > 1
     assert model_content.weights_sha256(Checkpoint(resharded(tmp_path / "a", tmp_path / "b"))) == first
+
+
+def test_the_run_fingerprint_sees_weights_config_and_code_not_the_path(tmp_path, tied_models):
+    """What estimate checkpoints are keyed by (both the one-process and the --fsdp path)."""
+    first = model_content.model_fingerprint(tied_models["post"])
+    copy = shutil.copytree(tied_models["post"], tmp_path / "copy")
+    assert model_content.model_fingerprint(copy) == first
+    (copy / "modeling_custom.py").write_text("# remote code\n")
+    assert model_content.model_fingerprint(copy) != first
+    (copy / "modeling_custom.py").unlink()
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "rope_theta": 1.0}))
+    assert model_content.model_fingerprint(copy) != first

@@ -114,11 +114,13 @@ def weights_sha256(checkpoint: Checkpoint) -> str:
 
 
 def model_fingerprint(folder: str | os.PathLike, label: str = "model") -> str:
-    """sha256 of what a run on the model folder computes with: its weights (:func:`weights_sha256`) and the
-    files that configure them (``config.json``, ``generation_config.json``), byte for byte."""
+    """sha256 of what a run on the model folder computes with: its weights (:func:`weights_sha256`), the files
+    that configure them (``config.json``, ``generation_config.json``) and its own code (``*.py``, run with
+    ``trust_remote_code``), byte for byte."""
     checkpoint = Checkpoint(folder, label=label)
     digest = hashlib.sha256(f"graftmerge model v1\nweights {weights_sha256(checkpoint)}\n".encode())
-    for name in MODEL_FILES:
+    code = sorted(file.name for file in Path(folder).glob("*.py"))
+    for name in (*MODEL_FILES, *code):
         file = Path(folder) / name
         digest.update(f"{name} {file_sha256(file) if file.is_file() else None}\n".encode())
     return digest.hexdigest()
