@@ -636,9 +636,10 @@ class FisherCache:
 
         A model folder's tensors are hashed (``formats.model_content``, remembered per unchanged
         file) and compared with the manifest's ``model.weights_sha256``: the same weights in
-        another folder or a Hub snapshot pass, a fine-tune of the same shapes is refused. What
-        cannot be compared is said in one warning and checked by names and shapes only: tensors
-        in memory, a cache written before the digest was recorded, a copy cast to other dtypes.
+        another folder or a Hub snapshot pass, a fine-tune of the same shapes is refused. Tensors
+        in memory have no files to hash: names and shapes (``check_fits``) are all there is. A
+        cache written before the digest was recorded, or a copy cast to other dtypes, cannot be
+        compared either: one warning says so.
         """
         if not isinstance(checkpoint, Checkpoint):
             return
