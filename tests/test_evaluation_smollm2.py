@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, role_scores
+from graftmerge.formats.bounded_template import Conversation, render_conversations
 from tests.helpers.runners import run_cli
 from tests.helpers.smollm2_facts import smollm2_gguf
 
@@ -105,3 +106,19 @@ def test_smollm2_through_the_command(smol):
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"^keep\s+old\s+nll\s+validation\s+\d+\.\d{4}\s+0\.\d{4}$", result.stdout, re.M)
     assert re.search(r"^role scores \(validation\): old 0\.\d{4}, new \d\.\d{4}$", result.stdout, re.M)
+
+
+def test_the_bounded_renderer_renders_smollm2s_template_as_transformers_does(smol):
+    """The real template through graftmerge's bounded renderer (a child process) and through apply_chat_template."""
+    tokenizer = smol["tokenizer"]
+    chats = [line["messages"] for line in LINES] + [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+         {"role": "user", "content": "Zürich, 東京, {{ braces }} and <|im_end|> as text?"}],
+        [{"role": "system", "content": ""}, {"role": "user", "content": "  spaces  "}],
+    ]
+    conversations = [Conversation(chat, "x", {"add_generation_prompt": flag})
+                     for chat in chats for flag in (True, False)]
+    got = render_conversations(tokenizer, conversations)
+    assert [g.text for g in got] == [tokenizer.apply_chat_template(c.messages, tokenize=False, **c.options)
+                                     for c in conversations]
+    assert "<|im_start|>system\nYou are a helpful AI assistant named SmolLM" in got[0].text

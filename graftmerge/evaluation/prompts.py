@@ -1,6 +1,7 @@
 """Data lines as token ids, rendered the way the model itself sees and writes them.
 
-A ``messages`` prompt goes through the tokenizer's chat template with the generation
+A ``messages`` prompt goes through the tokenizer's chat template (rendered within a budget,
+in a child process: :mod:`graftmerge.formats.bounded_template`) with the generation
 prompt, exactly as ``apply_chat_template(..., add_generation_prompt=True)`` tokenizes it
 (rendered text, no extra special tokens). The answer is scored as the model would
 produce it: the template renders the conversation again with the answer as the
@@ -16,11 +17,13 @@ turn.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from graftmerge.errors import GraftError
-from graftmerge.evaluation.tasks import Example, Task, first_line
+from graftmerge.evaluation.tasks import Example, Task
+from graftmerge.formats.bounded_template import Conversation, Rendering, render_conversations
 
 DEFAULT_EXTRA_NEW_TOKENS = 16  # default max_new_tokens = 2 × longest continuation + this
 NO_TEMPLATE_HINT = ("give the model a chat template (graftmerge eval --chat-template FILE, or a "
@@ -55,21 +58,52 @@ def is_special(tokenizer: Any, token_id: int) -> bool:
     return bool(added is not None and getattr(added, "special", False))
 
 
-def render(tokenizer: Any, messages: list[dict], where: str, generation_prompt: bool) -> str:
-    """The chat template's text for ``messages``; GraftError when there is none or it fails."""
+def conversation_key(messages: list[dict], generation_prompt: bool) -> str:
+    """How a rendering is looked up: the messages as canonical JSON, and the generation-prompt flag."""
+    return json.dumps([messages, generation_prompt], sort_keys=True)
+
+
+def chat_conversations(task: Task, example: Example) -> list[Conversation]:
+    """The renderings :func:`prepare` needs for a chat line: the prompt, and the conversation with each answer."""
+    messages = with_system(task, example)
+    wanted = [(messages, True)] + [([*messages, {"role": "assistant", "content": text}], False)
+                                   for text in example.choices or (example.answer,)]
+    return [Conversation(turns, example.where, {"add_generation_prompt": flag}) for turns, flag in wanted]
+
+
+def render_suite(tokenizer: Any, tasks) -> dict[str, Rendering]:
+    """{conversation key: rendering} of every chat line of ``tasks``, rendered in one bounded batch.
+
+    Empty when the tokenizer has no template (:func:`render` then says what to do).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return {}
+    unique: dict[str, Conversation] = {}
+    for task in tasks:
+        for example in task.examples if task.lm_eval is None else ():
+            for conversation in chat_conversations(task, example) if example.messages is not None else ():
+                key = conversation_key(conversation.messages, conversation.options["add_generation_prompt"])
+                unique.setdefault(key, conversation)
+    return dict(zip(unique, render_conversations(tokenizer, list(unique.values()))))
+
+
+def render(tokenizer: Any, messages: list[dict], where: str, generation_prompt: bool,
+           rendered: dict[str, Rendering]) -> str:
+    """The chat template's text for ``messages``, from ``rendered``; GraftError when there is none or it failed."""
     if not getattr(tokenizer, "chat_template", None):
         raise GraftError(f"{where}: \"messages\" need a chat template and the model's tokenizer has none; "
                          + NO_TEMPLATE_HINT)
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    except Exception as error:  # a template is code: jinja raises TemplateError, templates raise their own
-        raise GraftError(f"{where}: the chat template fails on this conversation: {first_line(error)}") from error
+    rendering = rendered[conversation_key(messages, generation_prompt)]
+    if rendering.error is not None:
+        raise GraftError(f"{where}: the chat template fails on this conversation: {rendering.error}")
+    return rendering.text
 
 
-def chat_prompt_and_continuation(tokenizer: Any, messages: list[dict], answer: str, where: str):
+def chat_prompt_and_continuation(tokenizer: Any, messages: list[dict], answer: str, where: str,
+                                  rendered: dict[str, Rendering]):
     """(prompt ids, continuation ids, end-of-turn ids) of a chat line with ``answer`` as the reply."""
-    prompt = render(tokenizer, messages, where, True)
-    full = render(tokenizer, [*messages, {"role": "assistant", "content": answer}], where, False)
+    prompt = render(tokenizer, messages, where, True, rendered)
+    full = render(tokenizer, [*messages, {"role": "assistant", "content": answer}], where, False, rendered)
     if not full.startswith(prompt):
         raise GraftError(f"{where}: the chat template does not render the generation prompt as a prefix of "
                          "the conversation with the answer, so the answer's tokens cannot be told apart")
@@ -92,15 +126,19 @@ def with_system(task: Task, example: Example) -> list[dict]:
     return messages
 
 
-def prepare(task: Task, example: Example, tokenizer: Any) -> Prepared:
-    """One example as token ids; GraftError naming the line for anything the model cannot be scored on."""
+def prepare(task: Task, example: Example, tokenizer: Any, rendered: dict[str, Rendering]) -> Prepared:
+    """One example as token ids; GraftError naming the line for anything the model cannot be scored on.
+
+    ``rendered``: :func:`render_suite` of the example's task (chat lines' template renderings).
+    """
     candidates = example.choices or (example.answer,)
     for text in candidates:
         if not encode(tokenizer, text, False):
             raise GraftError(f"{example.where}: the answer {text!r} tokenizes to nothing with this model's tokenizer")
     if example.messages is not None:
         messages = with_system(task, example)
-        parts = [chat_prompt_and_continuation(tokenizer, messages, text, example.where) for text in candidates]
+        parts = [chat_prompt_and_continuation(tokenizer, messages, text, example.where, rendered)
+                 for text in candidates]
         prompt, end = parts[0][0], parts[0][2]
         if any(part[0] != prompt for part in parts):
             raise GraftError(f"{example.where}: the chat template renders the prompt differently per choice")

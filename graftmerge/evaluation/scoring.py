@@ -35,7 +35,7 @@ from graftmerge.estimate.model_loading import (
     load_causal_lm,
 )
 from graftmerge.evaluation.lm_eval_tasks import HarnessTask, resolve, score_harness_task
-from graftmerge.evaluation.prompts import Prepared, generation_limit, prepare
+from graftmerge.evaluation.prompts import Prepared, generation_limit, prepare, render_suite
 from graftmerge.evaluation.tasks import SPLITS, Task, TaskSuite, first_line
 from graftmerge.pipeline.graft_plan import resolve_model_folder
 
@@ -51,8 +51,9 @@ class Evaluator:
         self.device = torch.device(device)  # where a model is expected; inputs follow each model's own device
         self.batch_size = batch_size
         self.progress = progress
+        rendered = render_suite(tokenizer, suite.tasks)  # every chat template rendering, in one bounded batch
         self.prepared: dict[str, tuple[Prepared, ...]] = {
-            task.name: tuple(prepare(task, example, tokenizer) for example in task.examples)
+            task.name: tuple(prepare(task, example, tokenizer, rendered) for example in task.examples)
             for task in suite.tasks if task.lm_eval is None
         }
         self.harness: dict[str, HarnessTask] = {
@@ -311,6 +312,7 @@ def load_tokenizer(reference: str | os.PathLike, *, chat_template: str | os.Path
         raise GraftError(f"cannot load the tokenizer of {folder}: {first_line(error)}") from error
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
+        tokenizer.graftmerge_template_file = str(chat_template)  # what a template past its budget is called
     return tokenizer
 
 
