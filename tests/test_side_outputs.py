@@ -168,3 +168,11 @@ def test_a_merge_never_replaces_the_folder_holding_its_config(world, tmp_path, s
     result = run_cli(*script.split(), str(config), str(configs))
     assert "contains the merge config" in error_line(result)
     assert os.listdir(configs) == ["graft.yml"] and config.read_text() == world["config"].read_text()
+
+
+def test_the_demo_writes_only_into_a_new_or_empty_workdir(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "graft.yml").write_text("the user's config")
+    assert "is not an empty folder" in one_line_error(cli("demo", "--workdir", work))
+    assert os.listdir(work) == ["graft.yml"] and (work / "graft.yml").read_text() == "the user's config"

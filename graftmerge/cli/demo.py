@@ -53,7 +53,8 @@ def write_prompts(path: Path, vocab_size: int, count: int = 8, seed: int = 0) ->
 
 @click.command("demo")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keep the generated models, cache and output here (default: a temporary folder).")
+              help="Keep the generated models, cache and output here, a new or empty folder (default: a temporary "
+                   "folder).")
 @click.option("--rho", type=float, default=0.01, show_default=True, help="Fraction of directions to protect.")
 @click.option("--weight", type=float, default=0.5, show_default=True, help="λ of the grafted delta.")
 @click.option("--lm", "moved", flag_value="--lm", default=None, hidden=True)
@@ -67,6 +68,9 @@ def demo(workdir: Path | None, rho: float, weight: float, moved: str | None) -> 
     if moved is not None:
         raise GraftError(f"the small-LM experiment ({moved}) is not part of the installed package: from a checkout "
                          f"of the repository run `python -m experiments.demo {moved}` (experiments/README.md)")
+    if workdir is not None and workdir.exists() and (not workdir.is_dir() or any(workdir.iterdir())):
+        raise GraftError(f"--workdir {workdir} is not an empty folder; the demo writes models, a cache and configs "
+                         "there and overwrites nothing it did not create: give a new or empty folder")
     # lazy: the estimator and the model generator load torch and transformers only when the demo runs
     from graftmerge.demo.tiny_models import make_graft_inputs
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
