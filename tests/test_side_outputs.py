@@ -176,3 +176,13 @@ def test_the_demo_writes_only_into_a_new_or_empty_workdir(tmp_path):
     (work / "graft.yml").write_text("the user's config")
     assert "is not an empty folder" in one_line_error(cli("demo", "--workdir", work))
     assert os.listdir(work) == ["graft.yml"] and (work / "graft.yml").read_text() == "the user's config"
+
+
+def test_mergekit_multi_never_fills_the_folder_holding_its_config(world, tmp_path):
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    config = configs / "multi.yml"
+    config.write_text("name: first\n" + world["config"].read_text())
+    result = run_cli("mergekit-multi", str(config), "--intermediate-dir", str(configs))
+    assert "contains the merge config" in error_line(result)
+    assert os.listdir(configs) == ["multi.yml"]

@@ -38,8 +38,9 @@ def wrap_config_script(script_module) -> None:
         """Read the config with graftmerge's checks, then run mergekit's command (docstring: the original's)."""
         try:
             check(kwargs["config_file"])
-            if "out_path" in kwargs:  # OUT replaced whole may not hold the config file (an input like any other)
-                check_not_inputs(kwargs["out_path"], [("merge config", kwargs["config_file"])])
+            for out in (kwargs.get("out_path"), kwargs.get("intermediate_dir")):  # never holding the config file
+                if out is not None:
+                    check_not_inputs(out, [("merge config", kwargs["config_file"])])
             return original(*args, **kwargs)
         except GraftError as error:
             raise_for_cli(error, verbose=_verbosity(kwargs) > 0)
