@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,8 @@ def test_demo_writes_consistent_artefacts(tmp_path: Path) -> None:
     changed = [name for name in post.tensors if not torch.equal(post.read(name), grafted.read(name))]
     assert changed, "the graft changed nothing"
     assert "masked" in result.stdout and "ρ = " in result.stdout
+    named = re.findall(re.escape(str(tmp_path)) + r"\S*", result.stdout)  # each path it prints exists after it
+    assert str(tmp_path / "minimal_model.png") in named and all(Path(p.rstrip(":")).exists() for p in named), named
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +174,13 @@ def test_demo_has_no_experiment_options(option: str) -> None:
 def test_experiment_rejects_unknown_replay() -> None:
     result = CliRunner().invoke(experiment, ["--lm", "--replay", "0.25"])
     assert result.exit_code == 2 and "'0.25' is not one of 'none', 'offpolicy', 'own'" in result.output
+
+
+def test_chart_labels_are_words_not_keys():
+    """compute.png names each training family in words (results.json keeps the keys)."""
+    from experiments.demo.lm_report import in_words
+
+    assert in_words("graft@end-rpown") == "donor fine-tune (end donor)\ntask-A replay"
+    assert in_words("sft-rpown") == "SFT of θpost\ntask-A replay"
+    assert in_words("opsd-reverse-rpnone") == "OPSD (reverse KL)\nno replay"
+    assert in_words("graft@late") == "donor fine-tune (late donor)" and in_words("pretraining") == "pretraining"

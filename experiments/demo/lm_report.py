@@ -242,6 +242,21 @@ VERDICT_LABELS = {
     "masked_beats_unmasked": "masked graft > unmasked:",
     "masked_sft_matches_graft": "masked SFT matches the graft (= not reproduced):",
 }
+REPLAY_WORDS = {"none": "no replay", "offpolicy": "off-policy replay", "own": "task-A replay"}  # world.py
+
+
+def in_words(name: str) -> str:
+    """A training family's key (``graft@end-rpown``, ``sft-rpown``, ``opsd-reverse``) as a chart label in words."""
+    family, _, replay = name.partition("-rp")
+    if family.startswith("graft@"):
+        words = f"donor fine-tune ({family.split('@', 1)[1]} donor)"
+    elif family.startswith("opsd-"):
+        words = f"OPSD ({family.split('-', 1)[1]} KL)"
+    else:
+        words = {"sft": "SFT of θpost", "opsd": "OPSD"}.get(family, family)
+    return words + (f"\n{REPLAY_WORDS.get(replay, replay + ' replay')}" if replay else "")
+
+
 def plot_compute(results: dict[str, Any], path: Path) -> Path:
     """compute.png: wall per training step by kind (Fig. 8 left) and the top-1% F·Δ² shares (Fig. 8 right)."""
     figure = Figure(figsize=(10, 4))
@@ -249,13 +264,14 @@ def plot_compute(results: dict[str, Any], path: Path) -> Path:
     kinds = list(results["compute"])
     update = [results["compute"][k]["update_seconds"] * 1e3 for k in kinds]
     sampling = [results["compute"][k]["sampling_seconds"] * 1e3 for k in kinds]
-    left.bar(kinds, update, label="forward + backward + step")
-    left.bar(kinds, sampling, bottom=update, label="sampling")
+    labels = [in_words(kind) for kind in kinds]
+    left.bar(labels, update, label="forward + backward + step")
+    left.bar(labels, sampling, bottom=update, label="sampling")
     left.set(title="wall per step (ms; 1 thread, machine shared)", ylabel="ms")
     left.legend(fontsize=7)
     left.tick_params(axis="x", labelsize=7, rotation=20)
     shares = results["top_share"]
-    right.bar(list(shares), list(shares.values()), color="tab:purple")
+    right.bar([in_words(family) for family in shares], list(shares.values()), color="tab:purple")
     right.set(title="share of F·Δ² on top-1% Fisher coordinates", ylim=(0, 1))
     right.tick_params(axis="x", labelsize=7, rotation=20)
     figure.tight_layout()

@@ -79,8 +79,10 @@ def demo(workdir: Path | None, rho: float, weight: float, moved: str | None) -> 
     with tempfile.TemporaryDirectory(prefix="graftmerge-demo-") as scratch:
         root = workdir or Path(scratch)
         root.mkdir(parents=True, exist_ok=True)
-        _minimal_model(root)
-        click.echo(f"1. generating tiny Qwen3-shaped checkpoints in {root}")
+        show = _shown(root, kept=workdir is not None)
+        _minimal_model(root, show, kept="" if workdir else " (in the temporary folder: --workdir DIR keeps it)")
+        where = root if workdir is not None else "a temporary folder (deleted at exit; --workdir DIR keeps every file)"
+        click.echo(f"1. generating tiny Qwen3-shaped checkpoints in {where}")
         paths = make_graft_inputs(root)
         click.echo("2. graftmerge fisher estimate: diagonal retention Fisher of post from 16 of its own rollouts")
         prompts = write_prompts(root / "prompts.jsonl", vocab_size=256)
@@ -92,13 +94,23 @@ def demo(workdir: Path | None, rho: float, weight: float, moved: str | None) -> 
         config.write_text(DEMO_CONFIG.format(post=paths["post"], donor=paths["donor"], donor_ft=paths["donor_ft"],
                                              weight=weight, rho=rho, fisher=root / "fisher-post-diag"))
         out = root / "grafted"
-        click.echo(f"3. mergekit-yaml {config} {out}")
+        click.echo(f"3. mergekit-yaml {show(config)} {show(out)}")
         _run_mergekit(config, out)
-        _report(paths, out, root / "fisher-post-diag", weight)
-        _suggest(config)
+        _report(paths, out, root / "fisher-post-diag", weight, show)
+        _suggest(config, show)
 
 
-def _minimal_model(root: Path) -> None:
+def _shown(root: Path, kept: bool):
+    """How the demo prints a path of its folder: whole when the folder is kept, else relative to the temporary
+    folder (which is gone once the demo ends, so a whole path would name nothing)."""
+
+    def show(path: Path) -> str:
+        return str(path) if kept else str(path.relative_to(root))
+
+    return show
+
+
+def _minimal_model(root: Path, show, kept: str) -> None:
     # lazy: the minimal model loads torch and matplotlib only when the demo runs
     from graftmerge.demo.gated_experts import (
         format_gated_experts,
@@ -110,14 +122,14 @@ def _minimal_model(root: Path) -> None:
     result = run_gated_experts()
     click.echo("   " + format_gated_experts(result).replace("\n", "\n   "))
     (root / "minimal_model.json").write_text(json.dumps(result, indent=1))
-    click.echo(f"   curves: {plot_gated_experts(result, root / 'minimal_model.png')}")
+    click.echo(f"   curves: {show(plot_gated_experts(result, root / 'minimal_model.png'))}{kept}")
 
 
-def _suggest(config: Path) -> None:
+def _suggest(config: Path, show) -> None:
     # lazy: suggesting reads the graft plan (torch, mergekit) only when the demo runs
     from graftmerge.pipeline.suggest import suggest_graft
 
-    click.echo(f"5. graftmerge suggest {config}: λ and ρ from the Fisher cache and the delta alone")
+    click.echo(f"5. graftmerge suggest {show(config)}: λ and ρ from the Fisher cache and the delta alone")
     suggestion = suggest_graft(str(config), progress=False)
     click.echo(f"   ρ = {suggestion.rho:g} ({suggestion.rho_reason}); λ = {suggestion.lam:.3g} "
                f"(predicted old-task KL {suggestion.predicted_kl:.3g} nats/token, budget {suggestion.kl_budget:g})")
@@ -133,7 +145,7 @@ def _run_mergekit(config: Path, out: Path) -> None:
     run_merge(merge_config, str(out), options=MergeOptions(quiet=True), config_source=config.read_text())
 
 
-def _report(paths: dict, out: Path, fisher_path: Path, weight: float) -> None:
+def _report(paths: dict, out: Path, fisher_path: Path, weight: float, show) -> None:
     # lazy: checkpoints and Fisher caches load torch only when the demo runs
     from graftmerge.formats.checkpoint import Checkpoint
     from graftmerge.formats.fisher_cache import open_fisher_cache
@@ -150,7 +162,7 @@ def _report(paths: dict, out: Path, fisher_path: Path, weight: float) -> None:
         total += delta.numel()
         fisher_full += float((f * delta.square()).sum())
         fisher_kept += float((f * applied.square()).sum())
-    click.echo(f"4. grafted {len(post.tensors)} tensors into {out}")
+    click.echo(f"4. grafted {len(post.tensors)} tensors into {show(out)}")
     click.echo(f"   masked {removed} of {total} coordinates ({100 * removed / total:.2f}%)")
     click.echo(f"   Fisher-weighted change ΔᵀFΔ: {fisher_full:.3e} unmasked → {fisher_kept:.3e} grafted "
                f"({100 * (1 - fisher_kept / fisher_full):.1f}% of the retention cost removed)")
