@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -82,6 +84,10 @@ def test_manifest_is_written_last(tmp_path, tied_models, monkeypatch):
     writer.close()
     assert (tmp_path / "c" / MANIFEST_NAME).exists() and not list(tmp_path.glob(".c.partial-*"))
     assert (tmp_path / "c").stat().st_mode & 0o755 == 0o755  # not mkdtemp's private 0700
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in (tmp_path / "c").iterdir()}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)  # shards as readable as the manifest (safetensors: 0600)
 
 
 @pytest.mark.parametrize(

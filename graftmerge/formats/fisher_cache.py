@@ -45,7 +45,7 @@ from graftmerge.formats.file_hash import file_sha256
 from graftmerge.formats.json_file import load_json_file
 from graftmerge.formats.manifest_schema import check_fisher_manifest
 from graftmerge.formats.model_content import weights_sha256
-from graftmerge.formats.output_folder import NEW, OVERWRITE, Inputs, OutputFolder, check_not_inputs
+from graftmerge.formats.output_folder import NEW, OVERWRITE, Inputs, OutputFolder, check_not_inputs, usual_modes
 from graftmerge.formats.user_cache import PassedChecks, warn_once
 from graftmerge.math.eigenbasis import (
     ORTHONORMAL_TOLERANCE,
@@ -381,6 +381,7 @@ class FisherCacheWriter:
         (tmp / (MANIFEST_NAME + ".tmp")).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         os.replace(tmp / (MANIFEST_NAME + ".tmp"), tmp / MANIFEST_NAME)
         self._closed = True
+        usual_modes(tmp)  # a cache is for sharing: its shards as readable as its manifest
         self._output.publish()  # an existing cache is replaced whole
         return self.path
 
