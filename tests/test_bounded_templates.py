@@ -18,6 +18,7 @@ import shutil
 import pytest
 
 from graftmerge.errors import GraftError
+from graftmerge.estimate.rollouts import read_prompts, read_rollouts
 from graftmerge.evaluation import Evaluator, load_tasks, load_tokenizer
 from graftmerge.formats import bounded_template
 from graftmerge.formats.bounded_template import Conversation, render_conversations
@@ -114,3 +115,28 @@ def test_a_template_that_raises_or_escapes_stays_a_per_line_error(tiny, tmp_path
         Evaluator(load_tasks(tiny["root"] / "tasks.yml"), load_tokenizer(folder), progress=False)
     rendering = render_conversations(load_tokenizer(folder), [Conversation(LINES[0]["messages"], "x", {})])[0]
     assert rendering.text is None and re.search(expected, "fails on this conversation: " + rendering.error)
+
+
+def test_fisher_estimate_chat_lines_are_rendered_within_the_same_budget(tiny, tmp_path, quick_budget):
+    """Prompts and rollouts files with ``messages`` lines: the model's template, bounded; honest ones unchanged."""
+    tokenizer = tiny["tokenizer"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": line["messages"]}) + "\n" for line in LINES))
+    rollouts = tmp_path / "rollouts.jsonl"
+    rollouts.write_text("".join(json.dumps({"messages": [*line["messages"], {"role": "assistant",
+                                                                             "content": line["answer"]}]}) + "\n"
+                                for line in LINES))
+    expected = [tuple(tokenizer(tokenizer.apply_chat_template(line["messages"], tokenize=False,
+                                                              add_generation_prompt=True),
+                                add_special_tokens=False)["input_ids"]) for line in LINES]
+    assert [ids for _, ids in read_prompts(prompts, lambda: tokenizer)] == expected
+    assert [r.prompt_ids for r in read_rollouts(rollouts, lambda: tokenizer)[0]] == expected
+    folder = with_template(tiny, tmp_path / "model", ENDLESS)
+    hostile = load_tokenizer(folder)
+    for reader, data in ((read_prompts, prompts), (read_rollouts, rollouts)):
+        with pytest.raises(GraftError, match=rf"^{re.escape(str(folder / 'chat_template.jinja'))}: the chat template "
+                                             rf"ran past its budget .* rendering {re.escape(str(data))}:1;"):
+            reader(data, lambda: hostile)
+    raising = load_tokenizer(with_template(tiny, tmp_path / "raising", "{{ raise_exception('no') }}"))
+    with pytest.raises(GraftError, match=r"prompts\.jsonl:1: the chat template fails on this conversation: no"):
+        read_prompts(prompts, lambda: raising)

@@ -5,7 +5,8 @@ Accepted rollout lines (one JSON object each):
 - ``{"prompt_ids": [...], "completion_ids": [...]}``  pre-tokenised (the main path for
   rollouts sampled elsewhere, e.g. with vLLM)
 - ``{"prompt": "...", "completion": "..."}``         text, tokenised with the model's tokenizer
-- ``{"messages": [..., {"role": "assistant", ...}]}`` rendered with its chat template;
+- ``{"messages": [..., {"role": "assistant", ...}]}`` rendered with its chat template
+  (within a budget, in a child process: :mod:`graftmerge.formats.bounded_template`);
   the last (assistant) message is the completion
 
 Prompt files take ``prompt_ids``, ``prompt`` or ``messages`` (without the answer).
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from graftmerge.errors import GraftError
+from graftmerge.formats.bounded_template import Conversation, Rendering, conversation_key, render_each_once
 
 TokenizerLoader = Callable[[], Any]
 
@@ -113,30 +115,61 @@ def _encode(tokenizer: Any, text: str, special: bool) -> tuple[int, ...]:
     return tuple(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
+def _chat_parts(messages: list[dict], with_answer: bool) -> list[tuple[list[dict], dict]]:
+    """The (messages, options) renderings a chat line needs: its prompt, and with an answer the whole chat."""
+    if not with_answer:
+        return [(messages, {"add_generation_prompt": True})]
+    return [(messages[:-1], {"add_generation_prompt": True}), (messages, {})]
+
+
+def _well_formed_chat(messages: Any, with_answer: bool) -> bool:
+    """Whether ``messages`` is a chat _render_messages will render (else it says what is wrong)."""
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        return False
+    return not with_answer or messages[-1].get("role") == "assistant"
+
+
+def render_chats(records, path, tokenizer: TokenizerLoader, with_answer: bool) -> dict[str, Rendering]:
+    """Every chat line's template renderings in one bounded batch (the template is the model's code).
+
+    Keyed by :func:`conversation_key`; empty when no line is a chat or the tokenizer has no template.
+    """
+    wanted = [Conversation(chat, f"{path}:{number}", options) for number, record in records
+              if "messages" in record and not {"prompt_ids", "completion_ids"} & set(record)
+              and _well_formed_chat(record["messages"], with_answer)
+              for chat, options in _chat_parts(record["messages"], with_answer)]
+    if not wanted or not getattr(tokenizer(), "chat_template", None):
+        return {}
+    return render_each_once(tokenizer(), wanted)
+
+
 def _render_messages(
-    tokenizer: Any, messages: Any, where: str, with_answer: bool
+    tokenizer: Any, messages: Any, where: str, with_answer: bool, rendered: dict[str, Rendering] | None = None
 ) -> tuple[str, str]:
-    """(prompt text, completion text) of a chat; completion empty when ``with_answer`` is False."""
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(isinstance(m, dict) for m in messages)
-    ):
+    """(prompt text, completion text) of a chat; completion empty when ``with_answer`` is False.
+
+    Renderings come from ``rendered`` (:func:`render_chats`), else are made here, within the same budget.
+    """
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise GraftError(f"{where}: 'messages' must be a non-empty list of objects")
     if not getattr(tokenizer, "chat_template", None):
         raise GraftError(
             f"{where}: the model's tokenizer has no chat template; 'messages' needs one"
         )
-    if not with_answer:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        ), ""
-    if messages[-1].get("role") != "assistant":
+    if with_answer and messages[-1].get("role") != "assistant":
         raise GraftError(f"{where}: the last message must be the assistant's completion")
-    prompt = tokenizer.apply_chat_template(
-        messages[:-1], tokenize=False, add_generation_prompt=True
-    )
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    rendered = {} if rendered is None else rendered
+    texts = []
+    for chat, options in _chat_parts(messages, with_answer):
+        key = conversation_key(chat, options)
+        if key not in rendered:
+            rendered.update(render_each_once(tokenizer, [Conversation(chat, where, options)]))
+        if rendered[key].error is not None:
+            raise GraftError(f"{where}: the chat template fails on this conversation: {rendered[key].error}")
+        texts.append(rendered[key].text)
+    if not with_answer:
+        return texts[0], ""
+    prompt, full = texts
     if not full.startswith(prompt):
         raise GraftError(
             f"{where}: the chat template does not render the prompt as a prefix of the chat"
@@ -144,7 +177,8 @@ def _render_messages(
     return prompt, full[len(prompt) :]
 
 
-def parse_rollout(record: dict[str, Any], where: str, tokenizer: TokenizerLoader) -> Rollout:
+def parse_rollout(record: dict[str, Any], where: str, tokenizer: TokenizerLoader,
+                  rendered: dict[str, Rendering] | None = None) -> Rollout:
     """One JSONL object → Rollout (text is tokenised: prompt with special tokens, completion without)."""
     if "prompt_ids" in record or "completion_ids" in record:
         prompt = _token_ids(record.get("prompt_ids"), where, "prompt_ids")
@@ -152,7 +186,7 @@ def parse_rollout(record: dict[str, Any], where: str, tokenizer: TokenizerLoader
         return Rollout(prompt, completion, where)
     if "messages" in record:
         prompt_text, completion_text = _render_messages(
-            tokenizer(), record["messages"], where, True
+            tokenizer(), record["messages"], where, True, rendered
         )
         return Rollout(
             _encode(tokenizer(), prompt_text, False),
@@ -172,13 +206,14 @@ def parse_rollout(record: dict[str, Any], where: str, tokenizer: TokenizerLoader
     )
 
 
-def parse_prompt(record: dict[str, Any], where: str, tokenizer: TokenizerLoader) -> tuple[int, ...]:
+def parse_prompt(record: dict[str, Any], where: str, tokenizer: TokenizerLoader,
+                 rendered: dict[str, Rendering] | None = None) -> tuple[int, ...]:
     """One prompts-file object → prompt token ids."""
     if "prompt_ids" in record:
         return _token_ids(record["prompt_ids"], where, "prompt_ids")
     if "messages" in record:
         return _encode(
-            tokenizer(), _render_messages(tokenizer(), record["messages"], where, False)[0], False
+            tokenizer(), _render_messages(tokenizer(), record["messages"], where, False, rendered)[0], False
         )
     if "prompt" in record:
         return _encode(tokenizer(), _text(record["prompt"], where, "prompt"), True)
@@ -190,17 +225,19 @@ def read_rollouts(
 ) -> tuple[list[Rollout], RolloutStats]:
     """Every non-blank line of a rollouts JSONL file as a Rollout (GraftError names the bad line)."""
     records = read_jsonl(path, "rollouts")
-    rollouts = [parse_rollout(record, f"{path}:{number}", tokenizer) for number, record in records]
+    rendered = render_chats(records, path, tokenizer, True)
+    rollouts = [parse_rollout(record, f"{path}:{number}", tokenizer, rendered) for number, record in records]
     return rollouts, RolloutStats(lines=len(records))
 
 
 def read_prompts(path: str | Path, tokenizer: TokenizerLoader) -> list[tuple[str, tuple[int, ...]]]:
     """("file:line", prompt ids) per line of a prompts JSONL file; an empty prompt is an error."""
     records = read_jsonl(path, "prompts")
+    rendered = render_chats(records, path, tokenizer, False)
     prompts = []
     for number, record in records:
         where = f"{path}:{number}"
-        prompt = parse_prompt(record, where, tokenizer)
+        prompt = parse_prompt(record, where, tokenizer, rendered)
         if not prompt:
             raise GraftError(f"{where}: empty prompt")
         prompts.append((where, prompt))

@@ -17,13 +17,12 @@ turn.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from graftmerge.errors import GraftError
 from graftmerge.evaluation.tasks import Example, Task
-from graftmerge.formats.bounded_template import Conversation, Rendering, render_conversations
+from graftmerge.formats.bounded_template import Conversation, Rendering, conversation_key, render_each_once
 
 DEFAULT_EXTRA_NEW_TOKENS = 16  # default max_new_tokens = 2 × longest continuation + this
 NO_TEMPLATE_HINT = ("give the model a chat template (graftmerge eval --chat-template FILE, or a "
@@ -58,11 +57,6 @@ def is_special(tokenizer: Any, token_id: int) -> bool:
     return bool(added is not None and getattr(added, "special", False))
 
 
-def conversation_key(messages: list[dict], generation_prompt: bool) -> str:
-    """How a rendering is looked up: the messages as canonical JSON, and the generation-prompt flag."""
-    return json.dumps([messages, generation_prompt], sort_keys=True)
-
-
 def chat_conversations(task: Task, example: Example) -> list[Conversation]:
     """The renderings :func:`prepare` needs for a chat line: the prompt, and the conversation with each answer."""
     messages = with_system(task, example)
@@ -78,13 +72,9 @@ def render_suite(tokenizer: Any, tasks) -> dict[str, Rendering]:
     """
     if not getattr(tokenizer, "chat_template", None):
         return {}
-    unique: dict[str, Conversation] = {}
-    for task in tasks:
-        for example in task.examples if task.lm_eval is None else ():
-            for conversation in chat_conversations(task, example) if example.messages is not None else ():
-                key = conversation_key(conversation.messages, conversation.options["add_generation_prompt"])
-                unique.setdefault(key, conversation)
-    return dict(zip(unique, render_conversations(tokenizer, list(unique.values()))))
+    wanted = [conversation for task in tasks if task.lm_eval is None for example in task.examples
+              if example.messages is not None for conversation in chat_conversations(task, example)]
+    return render_each_once(tokenizer, wanted)
 
 
 def render(tokenizer: Any, messages: list[dict], where: str, generation_prompt: bool,
@@ -93,7 +83,7 @@ def render(tokenizer: Any, messages: list[dict], where: str, generation_prompt: 
     if not getattr(tokenizer, "chat_template", None):
         raise GraftError(f"{where}: \"messages\" need a chat template and the model's tokenizer has none; "
                          + NO_TEMPLATE_HINT)
-    rendering = rendered[conversation_key(messages, generation_prompt)]
+    rendering = rendered[conversation_key(messages, {"add_generation_prompt": generation_prompt})]
     if rendering.error is not None:
         raise GraftError(f"{where}: the chat template fails on this conversation: {rendering.error}")
     return rendering.text

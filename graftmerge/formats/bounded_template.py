@@ -109,6 +109,19 @@ def render_conversations(tokenizer: Any, conversations: Sequence[Conversation]) 
     return results
 
 
+def conversation_key(messages: Any, options: dict) -> str:
+    """How a rendering is looked up: the messages and options as canonical JSON."""
+    return json.dumps([messages, options], sort_keys=True)
+
+
+def render_each_once(tokenizer: Any, conversations: Sequence[Conversation]) -> dict[str, Rendering]:
+    """{conversation_key: rendering} of ``conversations`` (repeats rendered once), in one bounded batch."""
+    unique: dict[str, Conversation] = {}
+    for conversation in conversations:
+        unique.setdefault(conversation_key(conversation.messages, conversation.options), conversation)
+    return dict(zip(unique, render_conversations(tokenizer, list(unique.values()))))
+
+
 def render_one(tokenizer: Any, conversation: Conversation) -> Rendering:
     """One conversation rendered here and now (the child's work)."""
     try:
