@@ -38,7 +38,8 @@ LAYERS: list[set[str]] = [
     {"demo"},  # `graftmerge demo`: generated tiny models and the paper's minimal model
     {"cli"},  # click commands; graftmerge/__main__.py (python -m graftmerge) belongs here
 ]
-LAZY_IMPORTS_ALLOWED = ("cli/", "adapter/import_hook.py", "evaluation/lm_eval_tasks.py")
+LAZY_IMPORTS_ALLOWED = ("cli/", "adapter/import_hook.py", "evaluation/lm_eval_tasks.py",
+                        "pipeline/search_study.py")  # optuna: the search extra
 
 
 def layer_of(package: str) -> int:

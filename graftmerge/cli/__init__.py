@@ -112,6 +112,9 @@ MAIN_COMMANDS = {
              "Report what a graft config would mask for several ρ, without writing a model."),
     "sweep": ("graftmerge.cli.sweep", "sweep",
               "Graft CONFIG once per (λ, ρ) of a grid, reading the inputs once for all of them."),
+    "search": ("graftmerge.cli.search", "search",
+               "Search λ and ρ (or per-layer λ) for the best trade-off on your tasks, with a trial budget instead "
+               "of a grid."),
     "suggest": ("graftmerge.cli.suggest", "suggest",
                 "Suggest the config's rho and lambda before any evaluation (no model written)."),
     "delta": ("graftmerge.cli.delta", "delta",
@@ -143,6 +146,8 @@ def main() -> None:
     graftmerge suggest graft.yml           propose rho (knee) and lambda (KL budget)
     graftmerge sweep graft.yml --lambda 0.5,1 --rho 0,0.01 -o DIR
                                            one model per (λ, ρ), inputs read once
+    graftmerge search graft.yml --eval tasks.yml -o DIR --trials 27
+                                           a trial budget instead of a grid
     graftmerge eval MODEL --tasks tasks.yml   score a model: per task, old and new roles
     graftmerge continual stream.yml -o DIR   graft a stream of updates; forgetting matrix, ACC/BWT/FWT
     graftmerge fisher estimate MODEL ...   estimate a retention Fisher cache

@@ -102,24 +102,35 @@ def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[floa
                      tasks_file: str, tolerance: float | None, keep: str | None, eval_dtype: str | None) -> None:
     """``sweep --eval``: the task file and τ checked first, then the sweep with θpost as the evaluation model."""
     # lazy: evaluation loads transformers and the task file's data only when --eval is given
-    from graftmerge.evaluation import load_tasks
-    from graftmerge.pipeline.config_files import read_graft_config
-    from graftmerge.pipeline.sweep_eval import DEFAULT_TOLERANCE, check_tolerance, run_sweep_eval, written_dtype
+    from graftmerge.pipeline.sweep_eval import DEFAULT_TOLERANCE, check_tolerance, run_sweep_eval
 
     tolerance = check_tolerance(DEFAULT_TOLERANCE if tolerance is None else tolerance)
+    config, source, plan, evaluation, make_judge = evaluation_setup(options, tasks_file, config_file, eval_dtype,
+                                                                    "sweep --eval")
+    outcome = run_sweep_eval(config, source, plan, lambdas, rhos, out_dir, options, evaluation, make_judge,
+                             tolerance=tolerance, keep=keep or "best")
+    _report(outcome, tolerance)
+
+
+def evaluation_setup(options: MergeOptions, tasks_file: str, config_file: str, eval_dtype: str | None,
+                     command: str) -> tuple:
+    """(config, source, plan, Evaluation, make_judge) of an evaluating sweep or search: the tasks read and checked
+    first (a task of each role), then the config, the evaluation dtype (auto: what the merge writes)."""
+    # lazy: evaluation loads transformers and the task file's data only when --eval is given
+    from graftmerge.evaluation import load_tasks
+    from graftmerge.pipeline.config_files import read_graft_config
+    from graftmerge.pipeline.sweep_eval import written_dtype
+
     suite = load_tasks(tasks_file)
     missing = [role for role in ("old", "new") if role not in {task.role for task in suite.tasks}]
     if missing:
-        raise GraftError(f"{tasks_file}: no task has role {missing[0]}; sweep --eval chooses by the scores of both "
+        raise GraftError(f"{tasks_file}: no task has role {missing[0]}; {command} chooses by the scores of both "
                          "roles, so it needs a task of each")
     config, source, plan = read_graft_config(config_file)
     device = options.device or "cpu"
     dtype = eval_dtype or ("float32" if device == "cpu" else "bfloat16")  # `graftmerge eval`'s default
     dtype = written_dtype(config, plan.post) if dtype == "auto" else dtype
-    evaluation, make_judge = eval_judge(suite, plan.post, options, dtype)
-    outcome = run_sweep_eval(config, source, plan, lambdas, rhos, out_dir, options, evaluation, make_judge,
-                             tolerance=tolerance, keep=keep or "best")
-    _report(outcome, tolerance)
+    return (config, source, plan, *eval_judge(suite, plan.post, options, dtype))
 
 
 def eval_judge(suite, post: str, options: MergeOptions, dtype: str):

@@ -35,7 +35,8 @@ HEADER_FIELDS = {
 }
 RECORD_FIELDS = {"post": ("kind", "splits", "scores", "roles", "seconds"),
                  "point": ("kind", "lambda", "rho", "splits", "scores", "roles", "seconds")}
-OPTIONAL_FIELDS = ("error",)
+OPTIONAL_FIELDS = ("error", "trial", "layers")  # trial, layers: a search's records (graftmerge search)
+SEARCH_FIELD = "search"  # a search's header: its space, seed and sampler (the grid: the values its trials took)
 TORN_START = b'{"kind": "po'  # every record line begins so ("post" or "point"); a torn one begins as much of it
 
 
@@ -46,15 +47,21 @@ def check_same_sweep(found: dict, expected: dict, path: Path) -> None:
             detail = f": {found.get(field)} there, {expected[field]} here" if field in ("grid", "settings") else ""
             raise GraftError(f"{path} is the log of another sweep (its {what} differs{detail}); give the same "
                              "config, grid, tasks and settings to resume it, or choose another output folder")
-    extra = sorted(set(found) - set(HEADER_FIELDS) - {"kind"})
+    if found.get(SEARCH_FIELD) != expected.get(SEARCH_FIELD):
+        raise GraftError(f"{path} is the log of another search or of a sweep (its search space, seed or sampler "
+                         "differs); choose another output folder")
+    extra = sorted(set(found) - set(HEADER_FIELDS) - {"kind", SEARCH_FIELD})
     if extra:
         raise GraftError(f"{path}, line 1: the header has a field {extra[0]!r} no sweep writes; the log was edited: "
                          "choose another output folder")
 
 
 def record_key(record: dict) -> tuple:
-    """(kind, λ, ρ, splits): what a record finished."""
-    return record["kind"], record.get("lambda"), record.get("rho"), tuple(record["splits"])
+    """(kind, λ, ρ, splits, per-layer λ, trial): what a record finished (a search's trial: its number and anchors
+    too, since two trials may ask for the same point)."""
+    layers = record.get("layers")
+    return (record["kind"], record.get("lambda"), record.get("rho"), tuple(record["splits"]),
+            tuple(layers) if isinstance(layers, list) else None, record.get("trial"))
 
 
 def _number(value) -> bool:
@@ -123,6 +130,12 @@ def _record_problem(record, grid: dict) -> str | None:
     if missing or unknown:
         return f"the field {missing[0]!r} is missing" if missing else f"the field {unknown[0]!r} is no sweep's"
     if kind == "point":
+        if "trial" in record and not (isinstance(record["trial"], int) and not isinstance(record["trial"], bool)
+                                      and record["trial"] >= 0):
+            return "'trial' is not a trial number"
+        if "layers" in record and not (isinstance(record["layers"], list) and record["layers"]
+                                       and all(_number(v) and v >= 0 for v in record["layers"])):
+            return "'layers' is not a list of per-layer λ anchors"
         if not (_number(record["lambda"]) and _number(record["rho"])):
             return "'lambda' and 'rho' must be numbers"
         if record["lambda"] not in grid["lambda"] or record["rho"] not in grid["rho"]:

@@ -59,3 +59,22 @@ def pareto_frontier(old: Sequence[float], new: Sequence[float]) -> list[int]:
         best_old = max(best_old, top)
         position += len(same)
     return sorted(frontier, key=lambda i: (new[i], -old[i], i))
+
+
+def hypervolume(old: Sequence[float], new: Sequence[float], reference: tuple[float, float] = (0.0, 0.0)) -> float:
+    """Area of the score plane dominated by the points and above ``reference`` (old, new): how much of the
+    trade-off a set of points reaches, one number to compare frontiers at equal evaluations (higher is better).
+
+    Points with a non-finite score, or not above the reference in both roles, add nothing.
+    Swept from the highest new-role score down: each point adds the strip between the best
+    old-role score seen so far and its own, as tall as its new-role score above the reference.
+    """
+    ref_old, ref_new = reference
+    points = sorted(((n, o) for o, n in zip(old, new, strict=True)
+                     if math.isfinite(o) and math.isfinite(n) and o > ref_old and n > ref_new), reverse=True)
+    area, reached = 0.0, ref_old
+    for new_score, old_score in points:
+        if old_score > reached:
+            area += (old_score - reached) * (new_score - ref_new)
+            reached = old_score
+    return area

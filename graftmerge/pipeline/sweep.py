@@ -87,6 +87,10 @@ class GridPoint:
         """``lambda-<λ>_rho-<ρ>``, each number as Python prints it (``lambda-0.5_rho-0.001``)."""
         return f"lambda-{self.lam!r}_rho-{self.rho!r}"
 
+    def settings(self, parameters) -> dict:
+        """The config's global parameters at this point (``point_settings``): what its mergekit config says."""
+        return point_settings(parameters, self.lam, self.rho)
+
 
 def grid(lambdas: list[float], rhos: list[float]) -> list[GridPoint]:
     """Every (λ, ρ) pair, λ-major in the given orders, as floats."""
@@ -243,14 +247,14 @@ def grid_config_source(source: str, point: GridPoint) -> str:
     """The config's YAML with this grid point's lambda and rho (``point_settings``): what mergekit-yaml would be
     given."""
     data = yaml.safe_load(source)
-    data["parameters"] = point_settings(data.get("parameters"), point.lam, point.rho)
+    data["parameters"] = point.settings(data.get("parameters"))
     return yaml.safe_dump(data, sort_keys=False)
 
 
 def point_config(config, point: GridPoint):
     """``config`` (as mergekit runs it) with this grid point's lambda and rho, as ``grid_config_source`` writes
     them."""
-    plain = point_settings(config.parameters, point.lam, point.rho)
+    plain = point.settings(config.parameters)
     return config.model_copy(update={"parameters": _SETTINGS.validate_python(plain)})
 
 

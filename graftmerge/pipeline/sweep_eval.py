@@ -392,7 +392,7 @@ class _EvalSweep:
     def records(self, log: ResultsLog, done: dict, points: list[GridPoint], splits: tuple[str, ...],
                 what: str) -> dict[GridPoint, dict]:
         """Each point's record on ``splits``: read back when finished, else scored now and appended to the log."""
-        found = {p: done.get(("point", p.lam, p.rho, splits)) for p in points}
+        found = {p: done.get(("point", p.lam, p.rho, splits, None, None)) for p in points}
         todo = [p for p in points if found[p] is None]
         with tqdm(total=len(points), initial=len(points) - len(todo), desc=what, unit="point",
                   disable=self.options.quiet or not points) as progress:
@@ -537,7 +537,7 @@ def _run(sweep: _EvalSweep, points: list[GridPoint], header: dict, records: list
          keep: str) -> SweepOutcome:
     """θpost, the points on validation, the rule, the tests, the folders, chosen.json and the plot."""
     done = {record_key(record): record for record in records[1:]}
-    post = done.get(("post", None, None, VALIDATION + TEST)) or sweep.scored(VALIDATION + TEST)
+    post = done.get(("post", None, None, VALIDATION + TEST, None, None)) or sweep.scored(VALIDATION + TEST)
     problem = _first_nan({task: {"validation": v.get("validation")} for task, v in post["scores"].items()},
                          {"validation": post["roles"]["validation"]})
     if problem is not None:
