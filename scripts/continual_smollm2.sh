@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real `graftmerge continual` run on SmolLM2-135M-Instruct (CPU, about a quarter of an hour): the figures of
-# docs/continual.md. θ0 is the Instruct model; three steps, each a PEFT LoRA adapter of its last 10 layers
+# docs/continual.md. θ0 is the Instruct model; three steps, each a PEFT LoRA adapter of its last 4 layers
 # trained here on its own two invented facts (role: delta, θ0 as the donor); θ0's task is "known" (facts it
 # already answers); each step's task is its facts (validation: as trained, test: asked another way), all nll.
 #   bash scripts/continual_smollm2.sh [WORKDIR]   (default: a new temporary folder)
@@ -38,7 +38,7 @@ steps = []
 for number, facts in enumerate(STEPS, 1):
     if not (work / f"lora-{number}" / "adapter_config.json").exists():
         result = train_fact_adapter(work / "post", work / f"lora-{number}", [(q, a) for q, a, _ in facts],
-                                    layers=range(20, 30), steps=12, lr=3e-3)
+                                    layers=range(26, 30), steps=8, lr=5e-3)
         print(f"step {number} adapter loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}")
     task(f"facts{number}", [(q, a, "validation") for q, a, _ in facts] + [(t, a, "test") for _, a, t in facts])
     steps.append(f"  - update: {{model: lora-{number}, role: delta}}\n    tasks: facts{number}.yml\n")
@@ -46,7 +46,7 @@ for number, facts in enumerate(STEPS, 1):
                                             for q, _ in KNOWN_FACTS["validation"]))
 (work / "stream.yml").write_text(
     "post: post\ntasks: known.yml\n"
-    "fisher: {prompts: prompts.jsonl, samples_per_prompt: 2, max_new_tokens: 32, modules: ['model.layers.*'], "
+    "fisher: {prompts: prompts.jsonl, samples_per_prompt: 1, max_new_tokens: 24, modules: ['model.layers.*'], "
     "accumulate: 1.0}\n"
     "grid: {lambda: [0.5, 1], rho: [0, 0.01]}\ntolerance: 0.01\nout_dtype: bfloat16\nsteps:\n" + "".join(steps))
 PY

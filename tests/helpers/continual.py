@@ -24,7 +24,7 @@ def write_task(folder: Path, name: str, rows: list[tuple[str, str, str]], role: 
 
 def write_stream(root: Path, post: Path, updates: list[dict], step_rows: list[list[tuple[str, str, str]]],
                  *, old_rows, prompts: list[str], fisher: dict, grid: dict, tolerance: float = 0.5,
-                 name: str = "stream.yml") -> Path:
+                 out_dtype: str | None = None, name: str = "stream.yml") -> Path:
     """A stream file in ``root``: θ0 ``post``, task ``known`` (old), one task ``facts<k>`` and update per step."""
     write_task(root, "known", old_rows, "old")
     (root / "prompts.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n"
@@ -34,7 +34,7 @@ def write_stream(root: Path, post: Path, updates: list[dict], step_rows: list[li
         write_task(root, f"facts{number}", rows, "new")
         steps.append({"update": update, "tasks": f"facts{number}.yml"})
     stream = {"post": str(post), "tasks": "known.yml", "fisher": {"prompts": "prompts.jsonl", **fisher},
-              "grid": grid, "tolerance": tolerance, "steps": steps}
+              "grid": grid, "tolerance": tolerance, "steps": steps, **({"out_dtype": out_dtype} if out_dtype else {})}
     (root / name).write_text(yaml.safe_dump(stream, sort_keys=False))
     return root / name
 
