@@ -122,6 +122,18 @@ def test_group_means_and_transfer_by_hand():
         transfer([[0.1, 0.2], [0.3]])
 
 
+def test_a_step_with_no_point_within_tolerance_keeps_the_previous_model_and_says_so(tmp_path):
+    tiny_stream(tmp_path, steps=1, tolerance=0.0, grid={"lambda": [30], "rho": [0]})  # λ 30 costs θ0's task
+    result = run_cli("graftmerge", "continual", str(tmp_path / "stream.yml"), "-o", str(tmp_path / "out"),
+                     "--no-baseline", "--quiet")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 1: no grid point kept the old-role score within τ; θ(1) is θ(0), kept" in result.stdout
+    matrix = json.loads((tmp_path / "out" / "matrix.json").read_text())
+    assert matrix["steps"][0]["chosen"] is None and matrix["steps"][0]["kept_previous"] is True
+    assert matrix["test"][1] == matrix["test"][0]
+    assert_identical(read_model(tmp_path / "out" / "step-1" / "model"), read_model(tmp_path / "post"))
+
+
 KILLER = """
 import os, signal, sys
 from pathlib import Path

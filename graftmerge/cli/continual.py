@@ -115,6 +115,10 @@ def _report(matrix: dict, out: Path) -> None:
         return (f"{name}: ACC {table['average_accuracy']:.4f}, BWT {number(table['bwt'])}, FWT {number(table['fwt'])}"
                 f"; θ0 retention {' → '.join(f'{v:.3f}' for v in table['post_retention'])}")
 
+    for step in matrix["steps"]:
+        if step["kept_previous"]:
+            click.echo(f"step {step['step']}: no grid point kept the old-role score within τ; θ({step['step']}) is "
+                       f"θ({step['step'] - 1}), kept")
     click.echo(line("continual graft", matrix))
     if "baseline" in matrix:
         click.echo(line("task-arithmetic baseline", matrix["baseline"]))
