@@ -82,11 +82,11 @@ def plan(config_file: str, rho_list: str, device: str, json_path: str | None, no
     import_hook.install()  # a schedule is resolved by mergekit's planner, which must know graft
     rhos = parse_values(rho_list, "--rho", rho=True)
     config, _, graft_plan = read_graft_config(config_file)
-    inputs = [("config", config_file), *plan_inputs(graft_plan)]
+    read_paths = [("config", config_file), *plan_inputs(graft_plan)]
     if json_path:
-        check_output_file(json_path, inputs, "--json")  # before the scoring pass: inputs are never modified
-    inputs = bind_report_schedule(open_for_masks(graft_plan, rhos), config, MergeOptions())
-    report = plan_report(inputs, rhos, device=device, progress=not no_progress)
+        check_output_file(json_path, read_paths, "--json")  # before the scoring pass: inputs are never modified
+    opened = bind_report_schedule(open_for_masks(graft_plan, rhos), config, MergeOptions())
+    report = plan_report(opened, rhos, device=device, progress=not no_progress)
     click.echo(format_report(report))
     if json_path:
-        write_output_file(json_path, json.dumps(report_json(report), indent=1).encode(), inputs, "--json")
+        write_output_file(json_path, json.dumps(report_json(report), indent=1).encode(), read_paths, "--json")
