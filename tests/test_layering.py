@@ -232,6 +232,31 @@ def test_only_the_compat_module_touches_mergekit_internals():
     assert not wrong, "mergekit internals outside adapter/mergekit_compat.py:\n" + "\n".join(wrong)
 
 
+def test_no_flag_passes_through_the_environment():
+    """The library reads the user's environment; it never writes into it to reach code further down."""
+    wrong = []
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            target = node.value if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store | ast.Del) \
+                else node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in MUTATORS else None
+            if target is not None and ast.unparse(target) == "os.environ" or callee_name(node) == "putenv":
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not wrong, "os.environ written inside the library:\n" + "\n".join(wrong)
+
+
+KERNELS = {"pipeline/graft.py", "pipeline/data_aware_merge.py", "methods/"}
+
+
+def test_no_test_hook_in_a_kernel():
+    """The per-tensor code calls no test hook: a test stops a merge through a callback its run was given."""
+    wrong = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}" for path in MODULES.values()
+             if path.relative_to(PACKAGE).as_posix().startswith(tuple(KERNELS))
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.Call) and callee_name(node) == "stage_reached"]
+    assert not wrong, "stage_reached called in a kernel:\n" + "\n".join(wrong)
+
+
 def public_definitions(tree: ast.Module):
     """Every non-underscore function and class, nested ones included (methods too)."""
     for node in ast.walk(tree):
@@ -307,8 +332,6 @@ PER_PROCESS = {
                                                 "build), not a merge's state",
     "math/projection.py:KFAC_ROTATIONS": "instrumentation: rotations done in this process, read by benchmarks "
                                          "and tests, never by a merge",
-    "pipeline/lora_inputs.py:_MADE_FROM_FACTORS": "weak, by tensor: lives exactly as long as the tensors "
-                                                  "lora_delta_state_dict made",
 }
 CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque", "WeakIdKeyDictionary",
               "WeakKeyDictionary", "WeakValueDictionary"}

@@ -31,11 +31,9 @@ def merge(merge_options: MergeOptions, config_file: str, out_path: str, no_thres
 
     from graftmerge.formats.output_folder import check_not_inputs
     from graftmerge.pipeline.config_files import read_merge_config
-    from graftmerge.pipeline.threshold_pass import threshold_cache_disabled
-
     merge_options.apply_global_options()
     config, source = read_merge_config(config_file)
     check_not_inputs(out_path, [("merge config", config_file)])  # OUT, replaced whole, may not hold the config
     # run_merge as mergekit-yaml runs it: the hook's wrappers read cached Hub ids from the local HF cache
-    with threshold_cache_disabled(no_threshold_cache):
-        run_merge(config, out_path, options=merge_options, config_source=source)
+    settings = {"use_threshold_cache": False} if no_threshold_cache and config.merge_method == "graft" else {}
+    run_merge(config, out_path, options=merge_options, config_source=source, **settings)

@@ -80,6 +80,8 @@ class DataAwareMergeMethod(TensorGroupMethod, GroupMergeMethod):
         if len(ordered) != len(run.plan.inputs):
             raise GraftError(f"tensor {group.metadata.name!r}: {self.spec.name} was handed {len(ordered)} inputs; "
                              f"its config has {len(run.plan.inputs)}")
+        if run.before_tensor is not None:
+            run.before_tensor()
         return data_aware_merge.merge_tensor(run, group.metadata.name, [entry.tensor for entry in ordered])
 
     def merge_in_memory(self, groups, parameters, options, input_dtypes, out_dtype):

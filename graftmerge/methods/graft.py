@@ -89,6 +89,8 @@ class GraftMergeMethod(TensorGroupMethod, GroupMergeMethod):
         """One weight from mergekit's graph: its merge's run (by the id in the parameters), inputs sorted by role,
         graft."""
         run = find_run(parameters[RUN_PARAMETER])
+        if run.before_tensor is not None:
+            run.before_tensor()
         post = group.base.tensor
         donor, fine_tunes, deltas = None, [], []
         for entry in group.non_base:  # in config order, as the run's plan lists them
@@ -223,10 +225,10 @@ def check_distinct_state_dicts(groups, inputs: list[tuple[Any, str]]) -> None:
 graft_merge_method = GraftMergeMethod()
 
 
-def run_merge(original, merge_config, out_path: str, options, config_source=None):
+def run_merge(original, merge_config, out_path: str, options, config_source=None, use_threshold_cache=None):
     """mergekit's ``run_merge`` (``original``) for a graft config: validated, opened and pre-passed first
     (:func:`~graftmerge.pipeline.graft.run_graft_merge`), its run findable by mergekit's tasks meanwhile."""
     def run_mergekit(run: MergeRun, config, out, options, config_source=None):
         return _ACTIVE_RUNS.run_merge(original, run, RUN_PARAMETER, config, out, options, config_source)
 
-    return run_graft_merge(run_mergekit, merge_config, out_path, options, config_source)
+    return run_graft_merge(run_mergekit, merge_config, out_path, options, config_source, use_threshold_cache)

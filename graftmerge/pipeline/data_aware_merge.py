@@ -11,6 +11,7 @@ Streaming: per tensor, one tensor per input, plus (fisher) the running sums or
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import warnings
@@ -63,6 +64,7 @@ class DataAwareRun:
     _factor: tuple | None = None  # regmean: (factor keys, Cholesky of Σ G̃) of the last weight, for q/k/v sharing it
     workspace: Workspace = field(default_factory=Workspace)  # fisher: one span's cache reads and sums, reused
     span: int = 1 << 18  # fisher: elements per span (1 MiB of float32: a span's buffers stay in the CPU's cache)
+    before_tensor: Callable[[], None] | None = None  # called by mergekit's task before each tensor is merged
 
     def check_unchanged(self) -> None:
         """GraftError when a model or cache file changed since it was opened."""
@@ -132,7 +134,6 @@ def merge_tensor(run: DataAwareRun, name: str, tensors: Sequence[torch.Tensor]) 
 
     Checked finite, also once cast to the run's ``out_dtype``: GraftError naming the tensor.
     """
-    stage_reached("merging")
     rule = run.weighted.get(name)
     work = torch.promote_types(tensors[0].dtype, torch.float32)
     with torch.no_grad():
@@ -284,6 +285,7 @@ def run_data_aware_merge(run_mergekit: RunMergekit, merge_config, out_path: str,
     with OutputFolder(out_path, replace=MERGE, inputs=plan_inputs(plan)) as output:
         run = open_file_run(plan, dtype_from_name(merge_config.out_dtype), options.allow_crimes,
                             options.trust_remote_code)
+        run.before_tensor = functools.partial(stage_reached, "merging")  # a test can stop the merge there
         if config_source is None:
             config_source = merge_config.to_yaml()
         result = run_mergekit(run, merge_config, str(output.staging), options=options, config_source=config_source)

@@ -11,6 +11,7 @@ itself under a lock, replacing it whole only when the merge succeeds
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from graftmerge.pipeline.threshold_pass import (
     check_masked_total,
     compute_global_threshold,
     global_threshold,
+    threshold_cache_enabled,
 )
 
 
@@ -53,7 +55,7 @@ def prepare(run: MergeRun, device: str = "cpu", progress: bool = True, scratch: 
     if run.plan.rho_scope == "global":
         rotations = RotationStore(scratch) if scratch is not None else None
         run.threshold, run.threshold_record = global_threshold(run.inputs, device=device, progress=progress,
-                                                               rotations=rotations)
+                                                               rotations=rotations, use_cache=run.use_threshold_cache)
         if rotations is not None:
             run.rotations = rotations
             if rotations.has_masks:  # the pass ran now (not a cached threshold)
@@ -101,7 +103,6 @@ def graft_opened(
     if not isinstance(run, MergeRun):
         raise TypeError(f"graft_opened takes the MergeRun of a merge (MergeRun(inputs) for opened inputs), "
                         f"not {type(run).__name__}")
-    stage_reached("merging")
     plan, inputs = run.plan, run.inputs
     delta = donor_delta(donor, fine_tunes, plan.lambdas_for(name), deltas, plan.delta_lambdas_for(name))
     if plan.masked and inputs.fisher_kind(name):
@@ -146,7 +147,8 @@ def _masked(run: MergeRun, name: str, delta: torch.Tensor) -> torch.Tensor:
 def _threshold(run: MergeRun, device: str) -> GlobalThreshold:
     """The run's global threshold; found now (once) for a run nobody prepared."""
     if run.threshold is None:
-        run.threshold, run.threshold_record = global_threshold(run.inputs, device=device, progress=False)
+        run.threshold, run.threshold_record = global_threshold(run.inputs, device=device, progress=False,
+                                                               use_cache=run.use_threshold_cache)
     return run.threshold
 
 
@@ -198,7 +200,8 @@ def graft_in_memory(inputs: GraftInputs | MergeRun, device: torch.device | str =
 RunMergekit = Callable[..., object]  # (run, config, out_path, options=, config_source=) -> mergekit's result
 
 
-def run_graft_merge(run_mergekit: RunMergekit, merge_config, out_path: str, options, config_source=None):
+def run_graft_merge(run_mergekit: RunMergekit, merge_config, out_path: str, options, config_source=None,
+                    use_threshold_cache: bool | None = None):
     """mergekit's ``run_merge`` for a graft config: lock OUT, validate, open, pre-pass, then OUT replaced whole.
 
     The merge's :class:`MergeRun` is born here, once the config is validated and its inputs
@@ -207,11 +210,15 @@ def run_graft_merge(run_mergekit: RunMergekit, merge_config, out_path: str, opti
     makes ``run`` findable by mergekit's per-tensor tasks for that long). OUT may be
     replaced only when it is empty or holds nothing but files a merge writes. A bad input
     raises GraftError (the command line says it in one line: :mod:`graftmerge.cli`).
+    ``use_threshold_cache`` None: the user's setting (:func:`threshold_cache_enabled`).
     """
     plan = plan_from_merge_config(merge_config)  # reads configs only; OUT may be none of its inputs
     with OutputFolder(out_path, replace=MERGE, inputs=plan_inputs(plan)) as output:
         loaded = check_mergekit_inputs(merge_config, options.allow_crimes, options.trust_remote_code)
-        run = MergeRun(GraftInputs.open(plan), out_dtype=dtype_from_name(merge_config.out_dtype))
+        run = MergeRun(GraftInputs.open(plan), out_dtype=dtype_from_name(merge_config.out_dtype),
+                       use_threshold_cache=threshold_cache_enabled() if use_threshold_cache is None
+                       else use_threshold_cache,
+                       before_tensor=functools.partial(stage_reached, "merging"))  # a test can stop it here
         # staging has OUT's basename: mergekit names the model card after it
         with lora_inputs_in_mergekit(merge_config, run.inputs) as config, post_architecture(loaded):
             # schedules resolved per tensor by mergekit's planner, before the threshold pass needs them

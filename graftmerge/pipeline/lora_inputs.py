@@ -36,7 +36,6 @@ import torch
 from mergekit.common import ModelPath, ModelReference
 from mergekit.config import InputModelDefinition
 from mergekit.io.lazy_tensor_loader import ShardedTensorIndex, ShardInfo
-from torch.utils.weak import WeakIdKeyDictionary
 
 from graftmerge.adapter import mergekit_compat
 from graftmerge.errors import GraftError
@@ -146,9 +145,7 @@ def scored_delta(inputs: GraftInputs, name: str, delta: torch.Tensor, fisher: Te
     return scored
 
 
-# Δ tensors made by lora_delta_state_dict -> (the tensor's name, its LoRA factors): kept only
-# while the tensor lives, so a graft can find the factors behind a tensor it is handed.
-_MADE_FROM_FACTORS = WeakIdKeyDictionary()
+FACTORS_ATTRIBUTE = "graftmerge_lora_factors"  # (name, (B, A, scale)) on each Δ tensor lora_delta_state_dict made
 
 
 def _state_dict_of(model: Any, what: str) -> Mapping[str, torch.Tensor]:
@@ -214,8 +211,8 @@ def lora_delta_state_dict(adapter_state_dict: Mapping[str, torch.Tensor], adapte
         else:
             result[name] = torch.zeros((), device=device).expand(info.shape)
         factors = delta.low_rank_factors(name)
-        if factors is not None:
-            _MADE_FROM_FACTORS[result[name]] = (name, factors)
+        if factors is not None:  # the factors travel with the tensor the caller hands merge_state_dicts
+            setattr(result[name], FACTORS_ATTRIBUTE, (name, factors))
     return result
 
 
@@ -240,5 +237,5 @@ class InMemoryDelta(InMemoryCheckpoint):
 
     def low_rank_factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         """``LoraDelta.low_rank_factors`` of the adapter this tensor was made from, or None (a dense Δ)."""
-        made = _MADE_FROM_FACTORS.get(self.given[name])
+        made = getattr(self.given[name], FACTORS_ATTRIBUTE, None)
         return made[1] if made is not None and made[0] == name else None

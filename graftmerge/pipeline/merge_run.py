@@ -12,6 +12,7 @@ folders. The run dies with the call that made it, and everything it held goes wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,8 @@ class MergeRun:
     rotations: RotationStore | None = None  # Δ̃ of KFAC weights, kept by this merge's threshold pass
     kept_masks: RotationStore | None = None  # every ranked tensor's final mask, when the pass ran in this merge
     masked: dict[str, int] = field(default_factory=dict)  # directions masked per tensor, summed before publishing
+    use_threshold_cache: bool = True  # False: the global threshold computed afresh, the user's cache untouched
+    before_tensor: Callable[[], None] | None = None  # called by mergekit's task before each tensor is grafted
 
     @property
     def plan(self) -> GraftPlan:

@@ -13,7 +13,6 @@ counts what it masks (``check_masked_total``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -48,24 +47,9 @@ NO_CACHE_ENV = "GRAFTMERGE_NO_THRESHOLD_CACHE"
 
 
 def threshold_cache_enabled() -> bool:
-    """False when ``$GRAFTMERGE_NO_THRESHOLD_CACHE`` is set (to anything but ``0`` or empty), e.g. by
-    ``--no-threshold-cache``."""
+    """The user's setting for mergekit-yaml: False when ``$GRAFTMERGE_NO_THRESHOLD_CACHE`` is set (to anything
+    but ``0`` or empty). Read where a merge starts; ``graftmerge merge --no-threshold-cache`` passes False."""
     return os.environ.get(NO_CACHE_ENV, "") in ("", "0")
-
-
-@contextlib.contextmanager
-def threshold_cache_disabled(disabled: bool = True) -> Iterator[None]:
-    """Within the block, every threshold is computed afresh (``$GRAFTMERGE_NO_THRESHOLD_CACHE=1``)."""
-    previous = os.environ.get(NO_CACHE_ENV)
-    if disabled:
-        os.environ[NO_CACHE_ENV] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(NO_CACHE_ENV, None)
-        else:
-            os.environ[NO_CACHE_ENV] = previous
 
 
 def threshold_key(inputs: GraftInputs, device: str) -> str:
@@ -97,15 +81,16 @@ def threshold_key(inputs: GraftInputs, device: str) -> str:
 
 
 def global_threshold(
-    inputs: GraftInputs, device: str = "cpu", progress: bool = True, rotations: RotationStore | None = None
+    inputs: GraftInputs, device: str = "cpu", progress: bool = True, rotations: RotationStore | None = None,
+    use_cache: bool = True,
 ) -> tuple[GlobalThreshold, str | None]:
     """(the global threshold for a plan, the name of its record in the user's cache): from that cache, or a fresh pass.
 
-    A fresh pass saves each KFAC weight's Δ̃ into ``rotations`` when given. With the
-    cache disabled (``threshold_cache_enabled``), it is computed afresh and neither read
-    from nor written to disk (record None). Called once per merge, which keeps the result.
+    A fresh pass saves each KFAC weight's Δ̃ into ``rotations`` when given. Without
+    ``use_cache``, it is computed afresh and neither read from nor written to disk (record
+    None). Called once per merge, which keeps the result.
     """
-    if not threshold_cache_enabled():
+    if not use_cache:
         return compute_global_threshold(inputs, device=device, progress=progress, rotations=rotations), None
     name = record_name(THRESHOLDS, threshold_key(inputs, device))
     result = _cached_threshold(inputs, name) if name is not None else None
