@@ -29,6 +29,7 @@ import graftmerge.formats.fisher_cache as fisher_cache
 import graftmerge.formats.rotation_store as rotation_store
 import graftmerge.math.global_threshold as global_threshold
 import graftmerge.pipeline.graft as graft
+import graftmerge.pipeline.graft_kernel as graft_kernel
 import graftmerge.pipeline.graft_plan as graft_plan
 import graftmerge.pipeline.threshold_pass as threshold_pass
 from graftmerge.adapter import import_hook
@@ -36,13 +37,13 @@ from graftmerge.pipeline.config_files import read_graft_config
 
 WATCHED = [
     (threshold_pass, "compute_global_threshold"), (threshold_pass, "_score_block"),
-    (graft, "graft_opened"), (graft, "remove_masked_pairs"), (graft, "remove_masked_coordinates"),
-    (graft_plan.GraftInputs, "read_delta"), (graft_plan.GraftInputs, "tensor_fisher"),
+    (graft_kernel, "graft"), (graft_kernel, "remove_masked_pairs"), (graft_kernel, "remove_masked_coordinates"),
+    (graft_plan.GraftInputs, "read_delta"), (graft_kernel, "read_fisher"),
     (fisher_cache.FisherCache, "kfac"), (fisher_cache, "orthonormal_digest"), (fisher_cache, "check_orthonormal"),
     (global_threshold.ThresholdSearch, "add_coarse"), (global_threshold.ThresholdSearch, "result"),
     (rotation_store.RotationStore, "save_pairs"), (rotation_store.RotationStore, "load_pairs"),
     # issue 24's checks: finite results, pinned inputs, loadable inputs
-    (graft, "check_result"), (graft_plan.GraftInputs, "check_unchanged"), (graft, "check_mergekit_inputs"),
+    (graft_kernel, "fits"), (graft_plan.GraftInputs, "check_unchanged"), (graft, "check_mergekit_inputs"),
 ]
 
 

@@ -458,7 +458,7 @@ def test_a_diagonal_mask_never_zeroes_away_a_nonfinite_value(m, tmp_path):
     """The merge applies the mask the threshold pass kept; an Inf arriving at a masked coordinate
     (the input changed after the pass) is refused, not zeroed into a finite-looking model."""
     from graftmerge.formats.checkpoint import Checkpoint
-    from graftmerge.pipeline.graft import graft_opened, prepare
+    from graftmerge.pipeline.graft import graft_tensor, prepare
     from graftmerge.pipeline.merge_run import MergeRun
 
     config = tmp_path / "graft.yml"
@@ -468,12 +468,12 @@ def test_a_diagonal_mask_never_zeroes_away_a_nonfinite_value(m, tmp_path):
     positions = run.kept_masks.masked_positions(UP)
     assert positions is not None and positions.numel() > 0
     post, donor, ft = (Checkpoint(m[key]).read(UP) for key in ("post", "donor", "donor_ft"))
-    assert fits(graft_opened(run, UP, post, donor, [ft.clone()]))
+    assert fits(graft_tensor(run, UP, post, donor, [ft.clone()]))
     arrived = ft.clone()
     arrived.view(-1)[positions[0]] = math.inf  # exactly where the mask zeroes Δ
     with pytest.raises(GraftError, match=rf"tensor '{UP}': Δ from donor_ft .* was not finite, but its inputs read "
                                          "again are: did an input change during the merge"):
-        graft_opened(run, UP, post, donor, [arrived])
+        graft_tensor(run, UP, post, donor, [arrived])
 
 
 def test_delta_pull_refuses_a_delta_whose_values_could_overflow(m, hf_cache, tmp_path):

@@ -232,6 +232,15 @@ def test_only_the_compat_module_touches_mergekit_internals():
     assert not wrong, "mergekit internals outside adapter/mergekit_compat.py:\n" + "\n".join(wrong)
 
 
+def test_the_graft_kernel_imports_only_math_and_formats():
+    """One tensor's graft is the kernel's record and tensors in, math/ and formats/ called, the result out: it
+    never asks the plan, the run or the config a question (pipeline/graft_kernel.py)."""
+    kernel = "graftmerge.pipeline.graft_kernel"
+    wrong = [target for source, target, *_ in edges() if source == kernel and package_of(target) not in (
+        "math", "formats")]
+    assert kernel in MODULES and not wrong, wrong
+
+
 def test_no_flag_passes_through_the_environment():
     """The library reads the user's environment; it never writes into it to reach code further down."""
     wrong = []

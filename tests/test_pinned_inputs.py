@@ -19,7 +19,7 @@ import pytest
 
 from graftmerge.formats.checkpoint import Checkpoint, read_safetensors_layout
 from graftmerge.formats.output_folder import STOP_ENV
-from graftmerge.pipeline import graft, sweep
+from graftmerge.pipeline import graft, graft_kernel, sweep
 from tests.helpers.configs import graft_yaml
 from tests.helpers.models import copy_model, tree_digest
 from tests.helpers.runners import error_line, run_cli
@@ -134,7 +134,7 @@ def test_python_api_run_merge_raises_when_a_shard_changes_during_the_merge(input
 
     from graftmerge.errors import GraftError
 
-    original, calls = graft.graft_opened, []
+    original, calls = graft_kernel.graft, []
 
     def graft_then_change(*args, **kwargs):
         calls.append(1)
@@ -142,7 +142,7 @@ def test_python_api_run_merge_raises_when_a_shard_changes_during_the_merge(input
             replace_by_rename(fisher_shard(inputs["fisher"]))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(graft, "graft_opened", graft_then_change)
+    monkeypatch.setattr(graft_kernel, "graft", graft_then_change)
     import yaml
 
     config = MergeConfiguration.model_validate(yaml.safe_load(inputs["config"].read_text()))

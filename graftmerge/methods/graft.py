@@ -107,8 +107,15 @@ class GraftMergeMethod(TensorGroupMethod, GroupMergeMethod):
             donor = post
         order = [entry.id for entry in group.non_base]
         per_input = {key: {"role": parameters["role"][key], "weight": parameters["weight"][key]} for key in order}
-        schedule_binding.check_bound(run.plan, group.metadata.name, parameters, per_input, order)
-        return graft_tensor(run, group.metadata.name, post, donor, fine_tunes, deltas)
+        name = group.metadata.name
+        record = run.records[name]
+        schedule_binding.check_handed(record.scheduled, name, parameters, per_input, order)
+        if (len(fine_tunes), len(deltas)) != (len(record.lambdas), len(record.delta_lambdas)) or (
+                fine_tunes and donor is None):
+            raise GraftError(f"tensor {name!r}: graft was handed {len(fine_tunes)} donor_ft and {len(deltas)} delta "
+                             f"tensors{'' if donor is not None else ' and no donor'}; its config has "
+                             f"{len(record.lambdas)} donor_ft and {len(record.delta_lambdas)} delta inputs")
+        return graft_tensor(run, name, post, donor, fine_tunes, deltas)
 
     def merge_in_memory(self, groups, parameters, options, input_dtypes, out_dtype):
         """In-memory inputs (``merge_state_dicts``: plain ids, not model references) are grafted all at once."""

@@ -1,7 +1,8 @@
-"""Grafting one tensor, and running a whole graft config through mergekit safely.
+"""Grafting one tensor of a merge, and running a whole graft config through mergekit safely.
 
-``graft_tensor`` is what the mergekit kernel calls for every weight, with the
-:class:`~graftmerge.pipeline.merge_run.MergeRun` of its merge. ``run_graft_merge`` wraps
+Before the first tensor, :func:`tensor_records` resolves each tensor's record (λ, ρ, the Fisher
+entry, the threshold, the kept masks); :func:`graft_tensor` hands a tensor's record and inputs
+to the kernel (:mod:`graftmerge.pipeline.graft_kernel`). ``run_graft_merge`` wraps
 mergekit's ``run_merge``: it validates the whole config, opens the inputs and runs the
 global threshold pass (one MergeRun) before mergekit loads a tensor, and builds OUT beside
 itself under a lock, replacing it whole only when the merge succeeds
@@ -11,6 +12,7 @@ itself under a lock, replacing it whole only when the merge succeeds
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -18,20 +20,17 @@ from pathlib import Path
 import torch
 from mergekit.common import dtype_from_name
 
-from graftmerge.errors import GraftError
 from graftmerge.formats.output_folder import MERGE, OutputFolder, stage_reached
 from graftmerge.formats.rotation_store import RotationStore
-from graftmerge.math.donor_delta import donor_delta
-from graftmerge.math.global_threshold import GlobalThreshold
-from graftmerge.math.projection import remove_masked, remove_masked_coordinates, remove_masked_pairs
-from graftmerge.math.selection import mask_from_threshold, masked_count, top_k_mask
 from graftmerge.pipeline import (
+    graft_kernel,
     merge_cards,  # as a module: it imports mergekit's registry, whose hook imports graft
     schedule_binding,
 )
-from graftmerge.pipeline.finite_values import check_delta, check_result
+from graftmerge.pipeline.finite_values import nonfinite_error
+from graftmerge.pipeline.graft_kernel import TensorRecord
 from graftmerge.pipeline.graft_plan import GraftInputs, plan_from_merge_config, plan_inputs
-from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit, scored_delta
+from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
 from graftmerge.pipeline.merge_run import MergeRun
 from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs, post_architecture
 from graftmerge.pipeline.threshold_pass import (
@@ -50,6 +49,7 @@ def prepare(run: MergeRun, device: str = "cpu", progress: bool = True, scratch: 
     those masks without reading the Fisher cache again.
     """
     if not run.plan.masked:
+        run.records = tensor_records(run)
         return
     run.masked.clear()  # counted afresh by this merge (``_masked``)
     if run.plan.rho_scope == "global":
@@ -63,111 +63,58 @@ def prepare(run: MergeRun, device: str = "cpu", progress: bool = True, scratch: 
     else:
         for name in run.inputs.ranked_names():
             run.inputs.tensor_fisher(name)  # raises on NaN, Inf or negative entries
+    run.records = tensor_records(run)
 
 
-def graft_tensor(
-    run: MergeRun,
-    name: str,
-    post: torch.Tensor,
-    donor: torch.Tensor | None,
-    fine_tunes: Sequence[torch.Tensor],
-    deltas: Sequence[torch.Tensor] = (),
-) -> torch.Tensor:
-    """θpost + M_ρ(Δ) for one tensor of ``run``; inputs already in the working dtype, on the math device.
-
-    ``fine_tunes`` and ``deltas`` are the ``role: donor_ft`` and ``role: delta`` tensors, in
-    plan order (``donor`` is None with deltas only).
-    """
-    plan = run.plan
-    if (len(fine_tunes), len(deltas)) != (len(plan.fine_tunes), len(plan.deltas)) or (fine_tunes and donor is None):
-        raise GraftError(f"tensor {name!r}: graft was handed {len(fine_tunes)} donor_ft and {len(deltas)} delta tensors"
-                         f"{'' if donor is not None else ' and no donor'}; its config has {len(plan.fine_tunes)} "
-                         f"donor_ft and {len(plan.deltas)} delta inputs")
-    return graft_opened(run, name, post, donor, fine_tunes, deltas)
-
-
-def graft_opened(
-    run: MergeRun,
-    name: str,
-    post: torch.Tensor,
-    donor: torch.Tensor | None,
-    fine_tunes: Sequence[torch.Tensor],
-    deltas: Sequence[torch.Tensor] = (),
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """``graft_tensor`` without the count check, for a run over inputs opened from files or from memory.
-
-    The result is checked finite, also once cast to ``out_dtype`` (default: the run's, as
-    ``run_graft_merge`` noted it from the config): GraftError naming the tensor and its culprit.
-    """
-    if not isinstance(run, MergeRun):
-        raise TypeError(f"graft_opened takes the MergeRun of a merge (MergeRun(inputs) for opened inputs), "
-                        f"not {type(run).__name__}")
+def tensor_records(run: MergeRun) -> dict[str, TensorRecord]:
+    """Every tensor's :class:`TensorRecord`, resolved from the run once its threshold is known (found now, once,
+    for a global mask nobody prepared)."""
     plan, inputs = run.plan, run.inputs
-    delta = donor_delta(donor, fine_tunes, plan.lambdas_for(name), deltas, plan.delta_lambdas_for(name))
-    if plan.masked and inputs.fisher_kind(name):
-        delta = _masked(run, name, delta)
-    result = delta.add_(post.to(delta.dtype)).to(post.dtype)  # θpost + Δ', in Δ's buffer
-    check_result(inputs, name, result, out_dtype or run.out_dtype, [post, donor, *fine_tunes, *deltas])
-    return result
-
-
-def _masked(run: MergeRun, name: str, delta: torch.Tensor) -> torch.Tensor:
-    inputs = run.inputs
-    if run.plan.rho_scope == "tensor":
-        fisher = inputs.tensor_fisher(name).to(delta.device)
-        scored = scored_delta(inputs, name, delta, fisher)
-        mask = top_k_mask(scored.scores, masked_count(run.plan.rho_for(name), scored.scores.numel()))
-        return remove_masked(scored, mask, fisher)
-    threshold = _threshold(run, str(delta.device))
-    masked = _kept_mask_removed(run, name, delta)
-    if masked is not None:
-        run.masked[name] = masked
-        return delta
-    ties_left = threshold.tie_quota.get(name, 0)
-    masked = 0
-    kept = run.rotations
-    # The same row blocks as the threshold pass: identical scores, and a huge
-    # embedding never needs a full-size score tensor.
-    for rows in inputs.row_blocks(name):
-        part = delta if rows is None else delta[rows[0] : rows[1]]
-        fisher = inputs.tensor_fisher(name, rows).to(delta.device)
-        rotated = kept.load(name, delta.device) if kept is not None and rows is None else None
-        scored = scored_delta(inputs, name, part, fisher, rows, rotated)
-        mask = mask_from_threshold(scored.scores, threshold.threshold, ties_left)
-        masked += int(mask.sum())
-        if ties_left:
-            ties_left -= min(ties_left, int((scored.scores == threshold.threshold).sum()))
-        remove_masked(scored, mask, fisher)  # in place: ``part`` is a view of ``delta``
-        del scored, mask, fisher
-    run.masked[name] = masked  # summed and checked before OUT is published
-    return delta
-
-
-def _threshold(run: MergeRun, device: str) -> GlobalThreshold:
-    """The run's global threshold; found now (once) for a run nobody prepared."""
-    if run.threshold is None:
-        run.threshold, run.threshold_record = global_threshold(run.inputs, device=device, progress=False,
+    if plan.masked and plan.rho_scope == "global" and run.threshold is None:
+        run.threshold, run.threshold_record = global_threshold(inputs, progress=False,
                                                                use_cache=run.use_threshold_cache)
-    return run.threshold
+    lone_adapter = (not inputs.fine_tunes and len(inputs.deltas) == 1
+                    and hasattr(inputs.deltas[0], "low_rank_factors"))
+    records = {}
+    for name in inputs.post.tensors:
+        scales = plan.scales(name)
+        record = TensorRecord(name, tuple(scales.lam * w for w in scales.weights),
+                              tuple(scales.lam * w for w in scales.delta_weights), out_dtype=run.out_dtype,
+                              scheduled=scales if plan.scheduled else None)
+        kind = inputs.fisher_kind(name) if plan.masked else None
+        if kind is not None:
+            lora = (functools.partial(inputs.deltas[0].low_rank_factors, name)
+                    if lone_adapter and inputs.working_dtype(name) != torch.float64 else None)
+            scoped = plan.rho_scope == "tensor"
+            record = dataclasses.replace(
+                record, kind=kind, fisher=inputs.fisher, rows=tuple(inputs.row_blocks(name)),
+                rho=scales.rho if scoped else None, lora_factors=lora, kept_masks=run.kept_masks,
+                rotations=run.rotations, threshold=0.0 if scoped else run.threshold.threshold,
+                ties=0 if scoped else run.threshold.tie_quota.get(name, 0))
+        records[name] = record
+    return records
 
 
-def _kept_mask_removed(run: MergeRun, name: str, delta: torch.Tensor) -> int | None:
-    """Remove the mask the threshold pass kept for ``name`` from ``delta``, in place: how many directions it
-    masked; None if it kept none."""
-    kept = run.kept_masks
-    positions = kept.masked_positions(name) if kept is not None else None
-    if positions is None:
-        return None
-    if run.inputs.fisher_kind(name) != "kfac":
-        check_delta(run.inputs, name, delta)  # zeroing a masked coordinate must not hide a NaN or Inf there
-        remove_masked_coordinates(delta, positions)
-        return positions.numel()
-    pairs = kept.load_pairs(name, delta.device)
-    if pairs is None:
-        return None
-    remove_masked_pairs(delta, pairs, positions)
-    return positions.numel()
+def graft_tensor(run: MergeRun, name: str, post: torch.Tensor, donor: torch.Tensor | None,
+                 fine_tunes: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor] = (),
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """θpost + M_ρ(Δ) for one tensor of ``run``, by the kernel from its record; inputs already in the working
+    dtype, on the math device (``donor`` None with deltas only).
+
+    The result is checked finite, also once cast to ``out_dtype`` (default: the run's): GraftError naming the
+    tensor and its culprit. The directions its global mask removed are counted into the run.
+    """
+    if run.records is None:
+        run.records = tensor_records(run)
+    try:
+        result, masked = graft_kernel.graft(run.records[name], post, donor, fine_tunes, deltas, out_dtype)
+    except graft_kernel.NonFinite as found:
+        given = [post, donor, *fine_tunes, *deltas] if found.stage == "result" else None
+        raise nonfinite_error(run.inputs, name, found.rows, stage=found.stage, given=given, rotated=found.rotated,
+                              out_dtype=found.out_dtype, result=found.result) from None
+    if masked is not None:
+        run.masked[name] = masked  # summed and checked before OUT is published
+    return result
 
 
 def graft_in_memory(inputs: GraftInputs | MergeRun, device: torch.device | str = "cpu",
@@ -184,9 +131,10 @@ def graft_in_memory(inputs: GraftInputs | MergeRun, device: torch.device | str =
     if plan.masked and plan.rho_scope == "global" and run.threshold is None:
         with torch.no_grad():
             run.threshold = compute_global_threshold(run.inputs, device=str(device), progress=False)
+    run.records = tensor_records(run)
     for name in run.inputs.post.tensors:
         with torch.no_grad() if plan.masked else contextlib.nullcontext():
-            yield graft_opened(
+            yield graft_tensor(
                 run,
                 name,
                 run.inputs.post.read(name),

@@ -34,6 +34,7 @@ from graftmerge.hub.models import resolve_model_folder
 from graftmerge.hub.pull import resolve_artifact
 from graftmerge.math.donor_delta import donor_delta
 from graftmerge.math.projection import TensorFisher
+from graftmerge.pipeline.graft_kernel import read_fisher
 from graftmerge.pipeline.schedules import Schedule, TensorScales, check_setting, is_schedule
 from graftmerge.pipeline.trusted_code import TRUST_PARAMETER, check_trusted_code
 
@@ -286,12 +287,7 @@ class GraftInputs:
 
     def tensor_fisher(self, name: str, rows: tuple[int, int] | None = None) -> TensorFisher:
         """The Fisher a tensor is masked with (optionally for rows ``start:stop`` only)."""
-        if self.fisher_kind(name) == "kfac":
-            factors = self.fisher.kfac(name)
-            if rows is not None:
-                factors = dataclasses.replace(factors, S=factors.S[rows[0] : rows[1]])
-            return TensorFisher(kfac=factors)
-        return TensorFisher(diagonal=self.fisher.diagonal(name, rows))
+        return read_fisher(self.fisher, name, self.fisher_kind(name), rows)
 
     def row_blocks(self, name: str) -> list[tuple[int, int] | None]:
         """Row ranges that can be scored independently: bounded memory for huge embeddings.

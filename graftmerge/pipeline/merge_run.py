@@ -5,9 +5,10 @@ opened and checked (:class:`GraftInputs`) before it exists. What it then learns 
 way, before the first tensor (the global threshold and the user-cache record it came
 from, the KFAC rotations and masks the threshold pass kept on disk) and while it grafts
 (how many directions each tensor masked), lives here and nowhere else: not in the
-process, not on the inputs. The kernel (:func:`graftmerge.pipeline.graft.graft_opened`)
-is handed the run and reads from it; it never goes back to the config, the Hub or the
-folders. The run dies with the call that made it, and everything it held goes with it.
+process, not on the inputs. Before the first tensor it resolves one record per tensor
+(:func:`graftmerge.pipeline.graft.tensor_records`); the kernel is handed that record and the
+tensors, and never goes back to the run, the config, the Hub or the folders. The run dies
+with the call that made it, and everything it held goes with it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.math.global_threshold import GlobalThreshold
+from graftmerge.pipeline.graft_kernel import TensorRecord
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan
 
 
@@ -37,6 +39,7 @@ class MergeRun:
     rotations: RotationStore | None = None  # Δ̃ of KFAC weights, kept by this merge's threshold pass
     kept_masks: RotationStore | None = None  # every ranked tensor's final mask, when the pass ran in this merge
     masked: dict[str, int] = field(default_factory=dict)  # directions masked per tensor, summed before publishing
+    records: dict[str, TensorRecord] | None = None  # each tensor's record, resolved before the first tensor
     use_threshold_cache: bool = True  # False: the global threshold computed afresh, the user's cache untouched
     before_tensor: Callable[[], None] | None = None  # called by mergekit's task before each tensor is grafted
 

@@ -5,7 +5,7 @@ layer's position ``t``, the tensor's name), and hands the kernel the result. A g
 needs every tensor's scaled Δ before the merge starts, so the graft asks the same planner
 for the same values first: :func:`bind_schedule` plans the merge (no tensor is loaded),
 reads each planned task's parameters and puts them into the plan. The kernel then checks
-that mergekit hands it those very values (:func:`check_bound`).
+that mergekit hands it those very values (:func:`check_handed`).
 
 Modules that the import hook loads while mergekit's merge methods are importing import this
 module as a module (``from graftmerge.pipeline import schedule_binding``), never its names:
@@ -109,12 +109,13 @@ def warn_unmatched_filters(config, entries: Mapping[str, TensorScales]) -> list[
     return lines
 
 
-def check_bound(plan: GraftPlan, name: str, shared: Mapping, per_input: Mapping, order) -> None:
-    """The parameters mergekit hands the kernel for ``name`` are those the plan was bound with; GraftError else."""
-    if not plan.scheduled:
+def check_handed(bound: TensorScales | None, name: str, shared: Mapping, per_input: Mapping, order) -> None:
+    """The parameters mergekit hands the kernel for ``name`` are ``bound``, those a scheduled plan was bound with
+    (None: not scheduled); GraftError else."""
+    if bound is None:
         return
     handed = scales_from_parameters(shared, per_input, order)
-    if handed != plan.scales(name):
+    if handed != bound:
         raise GraftError(f"tensor {name!r}: mergekit resolved the graft's schedule to {handed}, but the plan "
-                         f"(and its threshold pass) used {plan.scales(name)}; this is a bug, please report it")
+                         f"(and its threshold pass) used {bound}; this is a bug, please report it")
 

@@ -5,7 +5,7 @@ Every output must equal, tensor for tensor and bit for bit, a separate
 re-derives the graft: tensors are planned and loaded by mergekit's own planner
 and ``LoadTensor`` tasks (names, optional weights, dtype casts), dtypes are
 aligned as mergekit's executor aligns them, each grid point is grafted by the
-merge kernel itself (:func:`graftmerge.pipeline.graft.graft_opened`), cast as mergekit's
+merge kernel itself (:func:`graftmerge.pipeline.graft.graft_tensor`), cast as mergekit's
 ``SaveTensor`` casts, and written with mergekit's ``TensorWriter`` in the order mergekit's
 executor would write them (so the shards and the index are the same too).
 
@@ -60,7 +60,7 @@ from graftmerge.formats.output_folder import EMPTY, OutputFolder, check_not_inpu
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.pipeline import schedule_binding
 from graftmerge.pipeline.config_paths import anchored_config
-from graftmerge.pipeline.graft import graft_opened
+from graftmerge.pipeline.graft import graft_tensor, tensor_records
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan, plan_inputs
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
 from graftmerge.pipeline.merge_cards import DataInputs, graft_card_data, write_merge_card
@@ -318,6 +318,8 @@ def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch:
     runs = {point: MergeRun(view) for point, view in views.items()}
     global_points = [p for p, plan in plans.items() if plan.masked and plan.rho_scope == "global"]
     if not global_points:
+        for run in runs.values():
+            run.records = tensor_records(run)
         return runs
     lambdas = sorted({p.lam for p in global_points})
     rhos = sorted({p.rho for p in global_points})
@@ -330,6 +332,8 @@ def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch:
     for point in global_points:
         runs[point].threshold = results[point.lam].thresholds[point.rho]
         runs[point].rotations = kept[point.lam]
+    for run in runs.values():
+        run.records = tensor_records(run)
     return runs
 
 
@@ -384,7 +388,7 @@ def _write_tensor(save, runs: dict[GridPoint, MergeRun], writers: dict, refs: tu
     out_dtype = dtype_from_name(save.dtype) if save.dtype else None
     for point, run in runs.items():
         with torch.no_grad():
-            tensor = buffer if buffer is not None else graft_opened(run, name, post, donor, fine_tunes, deltas,
+            tensor = buffer if buffer is not None else graft_tensor(run, name, post, donor, fine_tunes, deltas,
                                                                     out_dtype=out_dtype)
         tensor = tensor.to(storage)
         if save.dtype:
