@@ -140,20 +140,19 @@ def register(registry_module, methods: Iterable) -> None:
             registry_module.register(method)
 
 
-Route = Callable[..., object]  # (mergekit's run_merge, config, out_path, options, config_source, **settings)
+Route = Callable[..., object]  # (mergekit's run_merge, config, out_path, options, config_source) -> its result
 
 
 def wrap_run_merge(merge_module, routes: Mapping[str, Route], view: Callable | None = None) -> None:
     """Replace ``merge_module.run_merge`` once: a config whose merge_method is in ``routes`` goes through its
-    route (handed mergekit's own run_merge and any graftmerge ``settings`` given by keyword), any other
-    straight to mergekit's. ``view(config)``, if given, is the config both are handed (the config as
-    written stays the card's source)."""
+    route (handed mergekit's own run_merge), any other straight to mergekit's. ``view(config)``, if given,
+    is the config both are handed (the config as written stays the card's source)."""
     original = getattr(merge_module, "run_merge", None)
     if original is None or hasattr(original, WRAPPED):
         return  # half-imported (the import hook wraps it once mergekit.merge finishes), or wrapped already
 
     @functools.wraps(original)
-    def run_merge(merge_config, out_path, options, config_source=None, **settings):
+    def run_merge(merge_config, out_path, options, config_source=None):
         seen = merge_config if view is None else view(merge_config)
         if seen is not merge_config and config_source is None:
             config_source = merge_config.to_yaml()  # the card shows the config as written
@@ -162,7 +161,7 @@ def wrap_run_merge(merge_module, routes: Mapping[str, Route], view: Callable | N
         if route is None:
             return original(merge_config, out_path, options=options, config_source=config_source)
         with without_torch_dtype_notice():
-            return route(original, merge_config, out_path, options, config_source, **settings)
+            return route(original, merge_config, out_path, options, config_source)
 
     setattr(run_merge, WRAPPED, routes)
     merge_module.run_merge = run_merge
