@@ -39,6 +39,10 @@ _EXPORTS = {
     "plot_stats": "graftmerge.pipeline.delta_report:plot_stats",
     "suggest_graft": "graftmerge.pipeline.suggest:suggest_graft",
     "Suggestion": "graftmerge.pipeline.suggest:Suggestion",
+    # a (λ, ρ) grid read once: each point's tensors or folders (docs/sweeps.md): sweep, sweep --eval, searches
+    "open_grid": "graftmerge.pipeline.sweep:open_grid",
+    "Grid": "graftmerge.pipeline.sweep:Grid",
+    "GridPoint": "graftmerge.pipeline.sweep:GridPoint",
     # scoring models on the user's own tasks (docs/evaluation.md): graftmerge eval, sweep --eval
     "load_tasks": "graftmerge.evaluation.tasks:load_tasks",
     "Task": "graftmerge.evaluation.tasks:Task",
@@ -53,9 +57,9 @@ _EXPORTS = {
 # Spelled out for type checkers and linters; equal to sorted(_EXPORTS) (tested).
 __all__ = [
     "DeltaStats", "Evaluator", "FisherCache", "FisherCacheWriter", "GraftError", "GraftMergeMethod",
-    "KfacFactors", "LoraExtraction", "Suggestion", "Task", "TaskSuite", "compute_stats",
+    "Grid", "GridPoint", "KfacFactors", "LoraExtraction", "Suggestion", "Task", "TaskSuite", "compute_stats",
     "extract_delta", "extract_lora", "format_table", "load_model_for_eval", "load_tasks",
-    "load_tokenizer", "lora_delta_state_dict", "normalised", "open_fisher_cache", "plot_stats",
+    "load_tokenizer", "lora_delta_state_dict", "normalised", "open_fisher_cache", "open_grid", "plot_stats",
     "role_scores", "suggest_graft",
 ]
 
@@ -75,6 +79,7 @@ if TYPE_CHECKING:
     from graftmerge.pipeline.delta_report import DeltaStats, compute_stats, format_table, plot_stats
     from graftmerge.pipeline.lora_inputs import lora_delta_state_dict
     from graftmerge.pipeline.suggest import Suggestion, suggest_graft
+    from graftmerge.pipeline.sweep import Grid, GridPoint, open_grid
 
 
 def __getattr__(name: str):

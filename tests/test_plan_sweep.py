@@ -22,6 +22,7 @@ from graftmerge.math import mask_stats
 from graftmerge.pipeline import graft_plan
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
 from graftmerge.pipeline.plan import plan_report
+from graftmerge import GridPoint, open_grid
 from graftmerge.pipeline.sweep import SpillingWriter
 from tests.helpers.configs import graft_yaml
 from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
@@ -175,6 +176,15 @@ def test_sweep_outputs_equal_separate_mergekit_yaml_runs(tmp_path, tied_models, 
             assert_bitwise_equal(folder, tmp_path / f"ref-{lam}-{rho}")
             written = yaml.safe_load((folder / "mergekit_config.yml").read_text())["parameters"]
             assert (written["lambda"], written["rho"]) == (lam, rho)
+    # the public grid yields each point's tensors as mergekit-yaml writes them, from one opening of the inputs
+    with open_grid(str(config), lambdas, rhos, options=MergeOptions(out_shard_size=20_000)) as opened:
+        assert opened.points == [GridPoint(lam, rho) for lam in lambdas for rho in rhos]
+        for point in opened.points:
+            got, expected = dict(opened.tensors(point)), read_model(tmp_path / f"ref-{point.lam}-{point.rho}")
+            assert got.keys() == expected.keys()
+            for name, tensor in got.items():
+                assert tensor.dtype == expected[name].dtype and torch.equal(tensor.view(torch.uint8),
+                                                                            expected[name].view(torch.uint8)), name
     # the grid really differs across λ and ρ (else equality would prove little)
     outputs = {
         (lam, rho): read_model(tmp_path / "sweep" / f"lambda-{lam!r}_rho-{rho!r}") for lam in lambdas for rho in rhos

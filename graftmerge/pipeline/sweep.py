@@ -37,7 +37,7 @@ import ctypes
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from mergekit.graph import Executor
 from mergekit.io.tasks import GatherTensors, LoaderCache, SaveTensor
 from mergekit.io.tensor_writer import TensorWriter
 from mergekit.merge_methods.buffers import copy_non_floating_buffer
+from mergekit.options import MergeOptions
 from mergekit.plan import MergePlanner
 from pydantic import TypeAdapter
 from tqdm import tqdm
@@ -59,6 +60,7 @@ from graftmerge.errors import GraftError
 from graftmerge.formats.output_folder import EMPTY, OutputFolder, check_not_inputs
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.pipeline import schedule_binding
+from graftmerge.pipeline.config_files import read_graft_config
 from graftmerge.pipeline.config_paths import anchored_config
 from graftmerge.pipeline.graft import graft_tensor, tensor_records
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan, plan_inputs
@@ -285,27 +287,118 @@ def run_sweep(config, source: str, plan: GraftPlan, points: list[GridPoint], out
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GraftError(f"output {out_dir} already exists and is not an empty folder; choose a new one")
-    with (
-        OutputFolder(out_dir, replace=EMPTY, inputs=read) as output,
-        contextlib.ExitStack() as loras,
-    ):  # locked before any read
+    with OutputFolder(out_dir, replace=EMPTY, inputs=read) as output:  # locked before any read
         masked = [p for p in plans.values() if p.masked]
         inputs = GraftInputs.open(masked[0] if masked else plans[points[0]])
-        config = loras.enter_context(lora_inputs_in_mergekit(config, inputs))  # LoRA inputs read unmerged
-        arch_info = loaded[0].arch_info if all(i.arch_info for i in loaded) else get_architecture_info(config, options)
-        if getattr(arch_info, "post_fill_parameters", False):
-            raise GraftError("sweep does not support architectures whose parameters mergekit fills in after merging")
-        LoaderCache().setup(options=options)
-        device = options.device or "cpu"
-        freed = FreedMemory()
-        plans = bind_grid(plans, config, options, inputs)
-        runs = _grid_views(inputs, plans, output.scratch / "kfac-rotations", device, freed,
-                           progress=not options.quiet)
-        inputs.check_unchanged()  # the pass read what was validated
-        _write_grid(config, source, runs, output.staging, output.scratch / "spill", arch_info, options, device,
-                    freed)
-        inputs.check_unchanged()  # and so did the merge: else nothing is published
+        with Grid.open(config, source, inputs, plans, loaded, options, output.scratch) as opened:
+            opened.write(points, output.staging, output.scratch / "spill")
     return [output.out / point.folder for point in points]
+
+
+@dataclass
+class Grid:
+    """A (λ, ρ) grid of one graft config, its inputs read once: each point's tensors, or its model folders.
+
+    Made by :meth:`Grid.open` (or :func:`open_grid` from a config file): the inputs opened, mergekit's
+    plan of the output made, and the global masks' scoring pass run for every point at once.
+    :meth:`tensors` yields one point's output tensors as ``mergekit-yaml`` writes them (names, order,
+    casts); :meth:`write` writes points' folders, each equal to ``mergekit-yaml`` of its
+    ``mergekit_config.yml`` (:func:`grid_config_source`), bit for bit. Memory: one tensor's inputs and
+    one point's graft at a time, whatever the grid's size.
+    """
+
+    source: str  # the config's YAML, as the user wrote it
+    config: object  # mergekit's view of the config (LoRA inputs in its loader cache)
+    runs: dict[GridPoint, MergeRun]  # each point's merge: its view of the shared inputs, thresholds resolved
+    inputs: GraftInputs
+    arch_info: object
+    saves: list  # mergekit's SaveTensor tasks, in its executor's order
+    options: object
+    freed: FreedMemory
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, config, source: str, inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], loaded, options,
+             scratch: Path) -> Iterator[Grid]:
+        """The grid of ``plans`` (:func:`check_sweepable`) over the opened ``inputs``; ``loaded``: what
+        :func:`check_mergekit_inputs` found; ``scratch``: a folder for the scoring pass's Δ̃ and plans."""
+        with lora_inputs_in_mergekit(config, inputs) as merge_config:
+            arch_info = (loaded[0].arch_info if all(i.arch_info for i in loaded)
+                         else get_architecture_info(merge_config, options))
+            if getattr(arch_info, "post_fill_parameters", False):
+                raise GraftError("sweep does not support architectures whose parameters mergekit fills in after "
+                                 "merging")
+            LoaderCache().setup(options=options)
+            freed = FreedMemory()
+            plans = bind_grid(plans, merge_config, options, inputs)
+            runs = _grid_views(inputs, plans, scratch / "kfac-rotations", options.device or "cpu", freed,
+                               progress=not options.quiet)
+            inputs.check_unchanged()  # the pass read what was validated
+            _, saves = _planned_tensors(merge_config, arch_info, options, scratch / "planned")
+            yield cls(source, merge_config, runs, inputs, arch_info, saves, options, freed)
+
+    @property
+    def points(self) -> list[GridPoint]:
+        """The grid's points, in the order they were given."""
+        return list(self.runs)
+
+    def tensors(self, point: GridPoint) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every weight of ``point``'s model, as mergekit-yaml would write it, one at a time."""
+        refs, device, taken = _model_refs(self.config), self.options.device or "cpu", []
+        collect = {point: _Collect(taken)}
+        for save in self.saves:
+            _write_tensor(save, {point: self.runs[point]}, collect, refs, device, self.options, self.freed)
+            yield from taken
+            taken.clear()
+            self.freed.step()
+        self.inputs.check_unchanged()  # grafted from the files as validated
+
+    def write(self, points: list[GridPoint], folder: Path, spill: Path) -> None:
+        """The model folders of ``points`` in ``folder`` (``folder/<point.folder>``): each tensor read once for
+        all of them; mergekit's own writer for a single point."""
+        spill.mkdir(parents=True, exist_ok=True)
+        _write_grid(self.config, self.source, {point: self.runs[point] for point in points}, folder, spill,
+                    self.arch_info, self.options, self.options.device or "cpu", self.freed)
+        self.inputs.check_unchanged()  # the merge read what was validated: else nothing is published
+
+
+class _Collect:
+    """A writer that hands each saved tensor to a list (a point's tensors, not a folder)."""
+
+    def __init__(self, taken: list):
+        self.taken = taken
+
+    def save_tensor(self, name: str, tensor: torch.Tensor, clone: bool = False) -> None:
+        """Keep ``(name, tensor)``."""
+        self.taken.append((name, tensor))
+
+
+def _model_refs(config) -> tuple:
+    """(post, donor, donor_fts, deltas) model references of a (mergekit view of a) graft config."""
+    roles = {entry.model: (entry.parameters or {}).get("role") for entry in config.models}
+    return (config.base_model, next((ref for ref, role in roles.items() if role == "donor"), None),
+            [ref for ref, role in roles.items() if role == "donor_ft"],
+            [ref for ref, role in roles.items() if role == "delta"])
+
+
+@contextlib.contextmanager
+def open_grid(config_file: str, lambdas: list[float], rhos: list[float], options=None,
+              scratch: str | None = None) -> Iterator[Grid]:
+    """The :class:`Grid` of a graft config file over ``lambdas`` × ``rhos`` (λ-major), ready to yield tensors.
+
+    ``options``: mergekit's ``MergeOptions`` (default: its defaults). Nothing is written but scratch files,
+    in ``scratch`` (default: a temporary folder), removed when the block ends.
+    """
+    options = options or MergeOptions()
+    config, source, plan = read_graft_config(config_file)
+    points = grid(lambdas, rhos)
+    plans = check_sweepable(config, points, plan)
+    loaded = check_mergekit_inputs(config, options.allow_crimes, options.trust_remote_code)
+    masked = [p for p in plans.values() if p.masked]
+    inputs = GraftInputs.open(masked[0] if masked else plans[points[0]])
+    with (tempfile.TemporaryDirectory(dir=scratch) as folder,
+          Grid.open(config, source, inputs, plans, loaded, options, Path(folder)) as opened):
+        yield opened
 
 
 def _grid_views(inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], scratch: Path, device: str,
@@ -341,13 +434,7 @@ def _write_grid(config, source: str, runs: dict[GridPoint, MergeRun], staging: P
                 options, device: str, freed: FreedMemory) -> None:
     """Graft every tensor once per grid point, as it is read, into each point's own (spilling) writer."""
     out_config, saves = _planned_tensors(config, arch_info, options, staging)
-    roles = {entry.model: (entry.parameters or {}).get("role") for entry in config.models}
-    refs = (
-        config.base_model,
-        next((ref for ref, role in roles.items() if role == "donor"), None),  # none with only deltas
-        [ref for ref, role in roles.items() if role == "donor_ft"],
-        [ref for ref, role in roles.items() if role == "delta"],
-    )
+    refs = _model_refs(config)
     folders = {point: staging / point.folder for point in runs}
     spill.mkdir(parents=True, exist_ok=True)
     writers = {point: _writer(folder, spill, options, len(folders)) for point, folder in folders.items()}

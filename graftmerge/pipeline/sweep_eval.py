@@ -42,13 +42,11 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from mergekit.architecture import get_architecture_info
-from mergekit.io.tasks import LoaderCache
 from tqdm import tqdm
 
 from graftmerge.errors import GraftError
@@ -59,19 +57,8 @@ from graftmerge.formats.sweep_log import FORMAT, parse_sweep_log, record_key
 from graftmerge.math.frontier import choose, pareto_frontier, qualifies
 from graftmerge.pipeline.frontier_plot import PlotPoint, plot_frontier
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan, plan_inputs
-from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
 from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs
-from graftmerge.pipeline.sweep import (
-    FreedMemory,
-    GridPoint,
-    _grid_views,
-    _planned_tensors,
-    _write_grid,
-    _write_tensor,
-    bind_grid,
-    check_sweepable,
-    grid,
-)
+from graftmerge.pipeline.sweep import FreedMemory, Grid, GridPoint, check_sweepable, grid
 
 RESULTS, CHOSEN, PLOT, BEST = "results.jsonl", "chosen.json", "frontier.png", "best"
 SCRATCH = "scratch"  # a run's scratch folder is DIR/.scratch.partial-PID-XXXXXXXX (output_folder.recover's name)
@@ -253,68 +240,13 @@ class ModelWeights:
                              "cannot score it in memory")
 
 
-def _model_refs(config) -> tuple:
-    """(post, donor, donor_fts, deltas) model references of a (mergekit view of a) graft config."""
-    roles = {entry.model: (entry.parameters or {}).get("role") for entry in config.models}
-    return (config.base_model, next((ref for ref, role in roles.items() if role == "donor"), None),
-            [ref for ref, role in roles.items() if role == "donor_ft"],
-            [ref for ref, role in roles.items() if role == "delta"])
-
-
-@dataclass
-class _Grid:
-    """The opened grid: each point's GraftInputs (global thresholds shared) and mergekit's planned tensors."""
-
-    config: object  # mergekit's view of the config (LoRA inputs in its loader cache)
-    arch_info: object
-    views: dict[GridPoint, GraftInputs]
-    saves: list
-    inputs: GraftInputs
-    options: object
-    freed: FreedMemory
-
-    def load(self, point: GridPoint, weights: ModelWeights) -> None:
-        """Graft ``point`` into the evaluation model, tensor by tensor, as the folder-writing sweep writes it."""
-        device = self.options.device or "cpu"
-        weights.start()
-        views, writers, refs = {point: self.views[point]}, {point: weights}, _model_refs(self.config)
-        for save in tqdm(self.saves, desc=f"graft λ {point.lam:g} ρ {point.rho:g}", unit="tensor", leave=False,
-                         disable=self.options.quiet):
-            _write_tensor(save, views, writers, refs, device, self.options, self.freed)
-            self.freed.step()
-        weights.check_complete()
-        self.inputs.check_unchanged()  # grafted from the files as validated
-
-    def write(self, source: str, points: list[GridPoint], folder: Path, spill: Path) -> None:
-        """The folders of ``points`` in ``folder``, written by the folder-writing sweep (mergekit's own writer
-        for a single one)."""
-        spill.mkdir(exist_ok=True)
-        _write_grid(self.config, source, {point: self.views[point] for point in points}, folder, spill,
-                    self.arch_info, self.options, self.options.device or "cpu", self.freed)
-        self.inputs.check_unchanged()  # and so did the writing: else nothing is published
-
-
-@contextlib.contextmanager
-def _opened_grid(config, inputs: GraftInputs, plans: dict[GridPoint, GraftPlan], loaded, options,
-                 scratch: Path) -> Iterator[_Grid]:
-    """The grid ready to graft point by point: run_sweep's set-up, with the scoring pass of the global masks.
-
-    θpost's own point (λ = 0, ρ = 0) is among the views: best/ holds it when θpost is chosen.
-    """
-    plans = {**plans, POST_POINT: next(iter(plans.values())).at_point(0.0, 0.0)}
-    with lora_inputs_in_mergekit(config, inputs) as merge_config:
-        arch_info = loaded[0].arch_info if all(i.arch_info for i in loaded) else get_architecture_info(
-            merge_config, options)
-        if getattr(arch_info, "post_fill_parameters", False):
-            raise GraftError("sweep does not support architectures whose parameters mergekit fills in after merging")
-        LoaderCache().setup(options=options)
-        freed = FreedMemory()
-        plans = bind_grid(plans, merge_config, options, inputs)
-        views = _grid_views(inputs, plans, scratch / "kfac-rotations", options.device or "cpu", freed,
-                            progress=not options.quiet)
-        inputs.check_unchanged()  # the pass read what was validated
-        _, saves = _planned_tensors(merge_config, arch_info, options, scratch / "planned")
-        yield _Grid(merge_config, arch_info, views, saves, inputs, options, freed)
+def _load(opened: Grid, point: GridPoint, weights: ModelWeights) -> None:
+    """Graft ``point`` into the evaluation model, tensor by tensor, as the folder-writing sweep writes it."""
+    weights.start()
+    for name, tensor in tqdm(opened.tensors(point), total=len(opened.saves), leave=False, unit="tensor",
+                             desc=f"graft λ {point.lam:g} ρ {point.rho:g}", disable=opened.options.quiet):
+        weights.save_tensor(name, tensor)
+    weights.check_complete()
 
 
 VALIDATION, TEST = ("validation",), ("test",)
@@ -351,20 +283,24 @@ class _EvalSweep:
         self.config, self.source, self.plan, self.plans, self.out = config, source, plan, plans, out
         self.options, self.inputs, self.loaded, self.judge, self.read = options, inputs, loaded, judge, read
         self._stack = contextlib.ExitStack()
-        self._grid: _Grid | None = None
+        self._grid: Grid | None = None
         self._scratch: Path | None = None
         self._weights: ModelWeights | None = None
         self._loaded: GridPoint | None = None  # the point whose graft the evaluation model holds
         self._model: torch.nn.Module | None = None
 
-    def _opened(self) -> _Grid:
-        """The grid, opened (scoring pass included) the first time a point is grafted or written."""
+    def _opened(self) -> Grid:
+        """The grid, opened (scoring pass included) the first time a point is grafted or written.
+
+        θpost's own point (λ = 0, ρ = 0) is among its points: best/ holds it when θpost is chosen.
+        """
         if self._grid is None:
             self.release_model()  # the scoring pass runs without it: their memory does not add up
             self._scratch = Path(tempfile.mkdtemp(prefix=f".{SCRATCH}.partial-{os.getpid()}-", dir=self.out))
             self._stack.callback(shutil.rmtree, self._scratch, True)
-            self._grid = self._stack.enter_context(_opened_grid(self.config, self.inputs, self.plans, self.loaded,
-                                                                self.options, self._scratch))
+            plans = {**self.plans, POST_POINT: next(iter(self.plans.values())).at_point(0.0, 0.0)}
+            self._grid = self._stack.enter_context(Grid.open(self.config, self.source, self.inputs, plans,
+                                                             self.loaded, self.options, self._scratch))
         return self._grid
 
     def scored(self, splits: tuple[str, ...], point: GridPoint | None = None) -> dict:
@@ -378,7 +314,7 @@ class _EvalSweep:
         if grid is not None and point != self._loaded:  # the model may hold it still (scoring changes no weight)
             self._weights = self._weights or ModelWeights(self._evaluation_model())
             self._loaded = None
-            grid.load(point, self._weights)
+            _load(grid, point, self._weights)
             self._loaded = point
         scores = self.judge.score(self._evaluation_model(), splits)
         roles = {split: self.judge.roles(scores, split) for split in splits}
@@ -438,7 +374,7 @@ class _EvalSweep:
         self.release_model()
         build = self._scratch / "models"
         build.mkdir()
-        grid.write(self.source, list(dict.fromkeys([best, *kept])), build, self._scratch / "spill")
+        grid.write(list(dict.fromkeys([best, *kept])), build, self._scratch / "spill")
         written = []
         for name, point in [(BEST, best), *((p.folder, p) for p in kept)]:
             with OutputFolder(self.out / name, replace=MERGE, inputs=self.read,
