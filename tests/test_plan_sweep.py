@@ -16,13 +16,13 @@ from click.testing import CliRunner
 from mergekit.io.tensor_writer import TensorWriter
 from mergekit.options import MergeOptions
 
+from graftmerge import GridPoint, open_grid
 from graftmerge.cli import main
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.math import mask_stats
 from graftmerge.pipeline import graft_plan
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
 from graftmerge.pipeline.plan import plan_report
-from graftmerge import GridPoint, open_grid
 from graftmerge.pipeline.sweep import SpillingWriter
 from tests.helpers.configs import graft_yaml
 from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache
