@@ -27,8 +27,8 @@ from graftmerge.adapter import import_hook
 from graftmerge.cli import main
 from graftmerge.hub.cache_layout import snapshot_origin
 from graftmerge.hub.models import model_hub_id
+from graftmerge.pipeline.card_writer import DataInputs, merge_card
 from graftmerge.pipeline.config_files import read_graft_config
-from graftmerge.pipeline.merge_cards import DataInputs, merge_card
 from graftmerge.pipeline.sweep_eval import Evaluation, Judge, run_sweep_eval
 from tests.helpers.configs import graft_yaml
 from tests.helpers.hf_cache import place_in_hf_cache

@@ -22,7 +22,7 @@ from graftmerge.formats.fisher_cache import open_fisher_cache
 from graftmerge.math import mask_stats
 from graftmerge.pipeline import graft_plan
 from graftmerge.pipeline.graft_plan import FineTune, GraftInputs, GraftPlan
-from graftmerge.pipeline.plan import plan_report
+from graftmerge.pipeline.mask_preview import plan_report
 from graftmerge.pipeline.sweep import SpillingWriter
 from tests.helpers.configs import graft_yaml
 from tests.helpers.fisher_caches import write_diagonal_cache, write_mixed_cache

@@ -77,7 +77,7 @@ def plan(config_file: str, rho_list: str, device: str, json_path: str | None, no
     from graftmerge.formats.output_file import check_output_file, write_output_file
     from graftmerge.pipeline.config_files import read_graft_config
     from graftmerge.pipeline.graft_plan import plan_inputs
-    from graftmerge.pipeline.plan import bind_report_schedule, format_report, plan_report, report_json
+    from graftmerge.pipeline.mask_preview import bind_report_schedule, format_report, plan_report, report_json
 
     import_hook.install()  # a schedule is resolved by mergekit's planner, which must know graft
     rhos = parse_values(rho_list, "--rho", rho=True)

@@ -8,7 +8,9 @@ merge_run         MergeRun: one merge's state (inputs, threshold, kept masks), b
 graft             each tensor's record, and the staged, validated merge around mergekit
 graft_kernel      one tensor's graft from its record: calls math/ and formats/ only
 lora_inputs       LoRA adapters inside mergekit's graph (loaders, config view, low-rank Δ̃)
-plan / sweep      masks for many ρ from one scoring pass; a λ × ρ grid in one run
+mask_preview      what each ρ would mask (graftmerge plan), from one scoring pass
+sweep             a λ × ρ grid in one run (Grid)
+card_writer       the README.md card of every model folder written
 suggest           ρ and λ from the removed-share curve and a KL budget
 delta_extract     write Δ = weight·(θft − θdonor) as a delta folder
 delta_report      where a delta writes (norms, Fisher-weighted shares)

@@ -31,7 +31,7 @@ from graftmerge.math.finite import fits
 from graftmerge.math.fisher_average import FisherAverage, weighted_average
 from graftmerge.math.regmean import RegMeanSums, cholesky, clearly_positive_definite, gram_diagonal
 from graftmerge.math.workspace import Workspace
-from graftmerge.pipeline import merge_cards  # as a module: it imports mergekit's registry, whose hook imports us
+from graftmerge.pipeline import card_writer  # as a module: it imports mergekit's registry, whose hook imports us
 from graftmerge.pipeline.data_aware_plan import (
     DataAwareInput,
     DataAwarePlan,
@@ -292,13 +292,13 @@ def run_data_aware_merge(run_mergekit: RunMergekit, merge_config, out_path: str,
         run.workspace.release()
         run.check_unchanged()
         if options.write_model_card:
-            merge_cards.write_merge_card(output.staging, merge_config, config_source, card_data(run))
+            card_writer.write_merge_card(output.staging, merge_config, config_source, card_data(run))
         if not options.quiet:
             print(run.summary(), file=sys.stderr)
         return result
 
 
-def card_data(run: DataAwareRun) -> merge_cards.DataInputs:
+def card_data(run: DataAwareRun) -> card_writer.DataInputs:
     """The caches this merge read (each input's, as its config names it) and the formula it applied."""
     plan = run.plan
     caches = {item.fisher: cache.path for item, cache in zip(plan.inputs, run.caches)}
@@ -310,4 +310,4 @@ def card_data(run: DataAwareRun) -> merge_cards.DataInputs:
         note = (f"W = (Σᵢ G̃ᵢ)⁻¹ Σᵢ G̃ᵢ Wᵢ per linear weight with G̃ = αG + (1 − α)diag(G), α = {plan.alpha:g} "
                 "(RegMean, Jin et al.): each input's Gram from the input side of its cache's KFAC factors; "
                 "every other tensor averaged with the weights.")
-    return merge_cards.DataInputs(caches, (note,))
+    return card_writer.DataInputs(caches, (note,))

@@ -30,7 +30,7 @@ from graftmerge.formats.fisher_cache import (
 from graftmerge.formats.output_folder import check_not_inputs
 from graftmerge.math.mask_stats import block_share, pair_overlap
 from graftmerge.pipeline.graft_plan import GraftInputs
-from graftmerge.pipeline.plan import score_pass, tensor_masks
+from graftmerge.pipeline.mask_preview import score_pass, tensor_masks
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from mergekit.common import dtype_from_name
 from graftmerge.formats.output_folder import MERGE, OutputFolder, stage_reached
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.pipeline import (
+    card_writer,  # as a module: it imports mergekit's registry, whose hook imports graft
     graft_kernel,
-    merge_cards,  # as a module: it imports mergekit's registry, whose hook imports graft
     schedule_binding,
 )
 from graftmerge.pipeline.finite_values import nonfinite_error
@@ -179,7 +179,7 @@ def run_graft_merge(run_mergekit: RunMergekit, merge_config, out_path: str, opti
             result = run_mergekit(run, config, str(output.staging), options=options, config_source=config_source)
         _check_before_publish(run)
         if options.write_model_card:  # graftmerge's card replaces mergekit's: the model tree, the cache and the mask
-            merge_cards.write_merge_card(output.staging, merge_config, config_source, merge_cards.graft_card_data(run))
+            card_writer.write_merge_card(output.staging, merge_config, config_source, card_writer.graft_card_data(run))
         return result
 
 

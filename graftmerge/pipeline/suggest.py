@@ -1,6 +1,6 @@
 """Propose the config's ``rho`` and ``lambda`` from the Fisher cache and the delta alone.
 
-One :func:`~graftmerge.pipeline.plan.plan_report` at ``lambda = 1`` (the config's per-model
+One :func:`~graftmerge.pipeline.mask_preview.plan_report` at ``lambda = 1`` (the config's per-model
 weights, mask and rho_scope) gives, for every ρ of a log grid, the share ``R(ρ)`` of
 ``Σ s = ΔᵀFΔ`` that the mask removes and ``Δ'ᵀFΔ' = Σ s − Σ_masked s``. The rules
 themselves live in :mod:`graftmerge.math.suggestion`.
@@ -28,7 +28,7 @@ from graftmerge.math.suggestion import (
 )
 from graftmerge.pipeline.config_files import read_graft_config
 from graftmerge.pipeline.graft_plan import GraftInputs
-from graftmerge.pipeline.plan import plan_report
+from graftmerge.pipeline.mask_preview import plan_report
 
 DEFAULT_KL_BUDGET = 0.05  # nats per completion token on the old task
 DEFAULT_MAX_LAMBDA = 1.0

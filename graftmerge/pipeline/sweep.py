@@ -60,15 +60,15 @@ from graftmerge.errors import GraftError
 from graftmerge.formats.output_folder import EMPTY, OutputFolder, check_not_inputs
 from graftmerge.formats.rotation_store import RotationStore
 from graftmerge.pipeline import schedule_binding
+from graftmerge.pipeline.card_writer import DataInputs, graft_card_data, write_merge_card
 from graftmerge.pipeline.config_files import read_graft_config
 from graftmerge.pipeline.config_paths import anchored_config
 from graftmerge.pipeline.graft import graft_tensor, tensor_records
 from graftmerge.pipeline.graft_plan import GraftInputs, GraftPlan, plan_inputs
 from graftmerge.pipeline.lora_inputs import lora_inputs_in_mergekit
-from graftmerge.pipeline.merge_cards import DataInputs, graft_card_data, write_merge_card
+from graftmerge.pipeline.mask_preview import grid_views, score_pass
 from graftmerge.pipeline.merge_run import MergeRun
 from graftmerge.pipeline.mergekit_inputs import check_mergekit_inputs
-from graftmerge.pipeline.plan import grid_views, score_pass
 from graftmerge.pipeline.schedules import point_settings
 
 LOG = logging.getLogger(__name__)

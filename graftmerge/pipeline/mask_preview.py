@@ -1,4 +1,4 @@
-"""What a graft would mask for several ρ (and λ), without writing a model.
+"""What a graft would mask for several ρ (and λ), without writing a model (``graftmerge plan``).
 
 ``score_pass`` is the global threshold pre-pass of :mod:`graftmerge.pipeline.threshold_pass`
 generalised to a grid: each tensor's inputs are read once, Δ is formed once per λ
