@@ -37,6 +37,7 @@ from graftmerge.estimate.model_loading import (
 from graftmerge.evaluation.lm_eval_tasks import HarnessTask, resolve, score_harness_task
 from graftmerge.evaluation.prompts import Prepared, generation_limit, prepare, render_suite
 from graftmerge.evaluation.tasks import SPLITS, Task, TaskSuite, first_line
+from graftmerge.evaluation.threads import scoring_threads
 from graftmerge.pipeline.graft_plan import resolve_model_folder
 
 
@@ -91,7 +92,7 @@ class Evaluator:
         model.eval()
         results: dict[str, dict[str, float]] = {}
         try:
-            with torch.no_grad():
+            with torch.no_grad(), scoring_threads():  # threads the shared machine can give (evaluation/threads)
                 for task in self.suite.tasks:
                     for split in (s for s in splits if s in task.splits):
                         results.setdefault(task.name, {})[split] = self._score_task(model, task, split)
