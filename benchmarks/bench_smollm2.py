@@ -8,7 +8,7 @@
     Fisher estimated here (threshold pass included: its cache is cleared before each run).
 
 The donor is synthetic (post + 1 % relative noise) and the fine-tune is 4 AdamW steps on
-4 invented facts (tests/helpers/smollm2_facts.py): the timings need real shapes and weights,
+4 invented facts (graftmerge/demo/smollm2.py): the timings need real shapes and weights,
 not a real donor. Inputs are built once in --workdir and reused.
 
     python benchmarks/bench_smollm2.py --workdir bench-smollm2 [--repeats 3]
@@ -64,9 +64,9 @@ out_dtype: bfloat16
 
 def build_inputs(workdir: Path, max_new_tokens: int) -> None:
     """post (imported), own-sample rollouts + diagonal Fisher, donor, donor_ft; each only if missing."""
+    from graftmerge.demo.smollm2 import fine_tune_on_facts, make_noisy_donor, smollm2_gguf
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
     from graftmerge.formats.gguf_import import import_gguf
-    from tests.helpers.smollm2_facts import fine_tune_on_facts, make_noisy_donor, smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:

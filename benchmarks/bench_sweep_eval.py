@@ -7,7 +7,7 @@ vocabulary and tokenizer, so the same tasks run on it. The donor and fine-tune a
 base-ft): costs need real shapes, not a real donor. Global diagonal mask from a synthetic Fisher
 cache, `dtype: float32`, `out_dtype: bfloat16`, λ {0.25, 0.5, 1} × ρ {0, 0.001, 0.01}, mergekit's default
 `--out-shard-size` (one merge holds its whole output until it writes it). Tasks:
-tests.helpers.smollm2_facts.write_fact_tasks (nll on chat prompts, 3 examples per split and role).
+graftmerge.demo.smollm2.write_fact_tasks (nll on chat prompts, 3 examples per split and role).
 
 Compared, each run a fresh process with an empty threshold cache:
 
@@ -102,9 +102,9 @@ def folder_bytes(folder: Path) -> int:
 
 def smollm2_inputs(w: Path) -> None:
     """post (imported GGUF), base and base-ft (noisy copies), a diagonal Fisher cache of every weight."""
+    from graftmerge.demo.smollm2 import make_noisy_donor, smollm2_gguf
     from graftmerge.formats.checkpoint import Checkpoint
     from graftmerge.formats.fisher_cache import FisherCacheWriter
-    from tests.helpers.smollm2_facts import make_noisy_donor, smollm2_gguf
 
     if not (w / "post").exists():
         subprocess.run([str(BIN / "graftmerge"), "import-gguf", str(smollm2_gguf()), "-o", str(w / "post")],
@@ -141,7 +141,7 @@ def evaluate_command(folder: Path, tasks: Path, command: bool) -> list[str]:
 
 def compare(w: Path, label: str) -> None:
     """The three measurements on one model's inputs in ``w``, printed with the ratios."""
-    from tests.helpers.smollm2_facts import write_fact_tasks
+    from graftmerge.demo.smollm2 import write_fact_tasks
 
     tasks = write_fact_tasks(w / "tasks")
     (w / "sweep.yml").write_text(CONFIG.format(w=w, lam=1.0, rho=0.01))

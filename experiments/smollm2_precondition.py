@@ -191,8 +191,8 @@ def _donor(work: Path, tiny: bool) -> Path:
         save_tiny_chat_model(donor, architecture="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=48,
                              num_attention_heads=4, num_key_value_heads=2)
         return donor
+    from graftmerge.demo.smollm2 import smollm2_gguf
     from graftmerge.formats.gguf_import import import_gguf
-    from tests.helpers.smollm2_facts import smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:

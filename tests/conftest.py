@@ -79,7 +79,7 @@ def smollm2_import(tmp_path_factory) -> dict:
     """SmolLM2-135M-Instruct imported by ``graftmerge import-gguf`` once per session, shared by
     the xdist workers (tests/helpers/smollm2.py): ``post`` (read-only: copy before changing it),
     the command's ``returncode``/``stdout``/``stderr`` and the GGUF's hash before and after."""
-    from tests.helpers.smollm2_facts import smollm2_gguf
+    from graftmerge.demo.smollm2 import smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:

@@ -14,10 +14,10 @@ import re
 import pytest
 import torch
 
+from graftmerge.demo.smollm2 import smollm2_gguf
 from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, role_scores
 from graftmerge.formats.bounded_template import Conversation, render_conversations
 from tests.helpers.runners import run_cli
-from tests.helpers.smollm2_facts import smollm2_gguf
 
 GGUF = smollm2_gguf()
 pytestmark = [

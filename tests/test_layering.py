@@ -22,11 +22,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "graftmerge"
 
 LAYERS: list[set[str]] = [
-    {
-        "",
-        "errors",
-        "fisher",
-    },  # __init__.py (version, lazy public API), the one exception type, fisher.py (its deprecated alias)
+    {"", "errors"},  # __init__.py (version, lazy public API), the one exception type
     {"mergekit_compat"},  # adapter/mergekit_compat.py: every contact with mergekit's internals
     {"math"},  # pure tensors in, tensors out
     {"formats"},  # files on disk: checkpoints, Fisher caches, delta folders, GGUF
@@ -36,6 +32,7 @@ LAYERS: list[set[str]] = [
     {"methods"},  # graft, fisher, regmean as mergekit merge methods, one module each
     {"adapter"},  # their one registration with mergekit, its run_merge wrapped once, and the import hook
     {"demo"},  # `graftmerge demo`: generated tiny models and the paper's minimal model
+    {"api"},  # the user's three jobs as functions: merge, estimate_fisher, sweep
     {"cli"},  # click commands; graftmerge/__main__.py (python -m graftmerge) belongs here
 ]
 LAZY_IMPORTS_ALLOWED = ("cli/", "adapter/import_hook.py", "evaluation/lm_eval_tasks.py",

@@ -21,11 +21,11 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM
 
+from graftmerge.demo.smollm2 import smollm2_gguf
 from graftmerge.formats.fisher_cache import FisherCacheWriter, open_fisher_cache
 from tests.helpers.configs import graft_config
 from tests.helpers.models import read_model
 from tests.helpers.runners import mergekit_yaml_model
-from tests.helpers.smollm2_facts import smollm2_gguf
 
 GGUF = smollm2_gguf()
 pytestmark = [

@@ -23,12 +23,12 @@ import torch
 from click.testing import CliRunner
 
 from graftmerge.cli import main
+from graftmerge.demo.smollm2 import smollm2_gguf
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import open_fisher_cache
 from tests.helpers.configs import graft_yaml
 from tests.helpers.models import read_model, tree_digest
 from tests.helpers.runners import run_cli, run_process
-from tests.helpers.smollm2_facts import smollm2_gguf
 
 GGUF = smollm2_gguf()
 pytestmark = [
@@ -95,7 +95,7 @@ def diag_cache(smol) -> Path:
 
 @pytest.fixture(scope="session")
 def donors(smol) -> dict[str, Path]:
-    from tests.helpers.smollm2_facts import fine_tune_on_facts, make_noisy_donor
+    from graftmerge.demo.smollm2 import fine_tune_on_facts, make_noisy_donor
 
     donor = make_noisy_donor(smol["post"], smol["root"] / "donor", relative_noise=0.01)
     tuned = fine_tune_on_facts(donor, smol["root"] / "donor_ft", steps=2, lr=1e-4, progress=False)

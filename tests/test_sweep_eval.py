@@ -3,7 +3,7 @@
 A PEFT LoRA adapter of the last 10 layers is trained here on four invented facts and grafted as
 ``role: delta`` over a 2 × 1 (λ, ρ) grid with a global diagonal mask (a synthetic Fisher cache on
 the adapted weights; test_sweep_eval_bookkeeping.py sweeps larger grids on tiny models). The
-tasks (tests.helpers.smollm2_facts.write_fact_tasks) score answers by NLL through the real
+tasks (graftmerge.demo.smollm2.write_fact_tasks) score answers by NLL through the real
 Evaluator: ``known`` (role old) on what SmolLM2 already answers, ``facts`` (role new) on the
 invented facts, whose *test* split is planted to contradict validation (same questions,
 other answers), so a choice that peeked at test would differ. Checked: the chosen point obeys
@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from graftmerge.demo.smollm2 import smollm2_gguf, train_fact_adapter, write_fact_tasks
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import FisherCacheWriter
 from tests.helpers.runners import error_line, run_cli
-from tests.helpers.smollm2_facts import smollm2_gguf, train_fact_adapter, write_fact_tasks
 
 GGUF = smollm2_gguf()
 pytestmark = [

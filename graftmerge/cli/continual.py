@@ -68,7 +68,7 @@ def continual(merge_options: MergeOptions, stream_file: str, out_dir: str, keep_
 def real_services(options: MergeOptions, weights_dtype: str, progress=None):
     """The estimator, the evaluator and ``sweep --eval``'s judge, as :class:`Services` of the pipeline."""
     # lazy: the estimator and the evaluator load torch and transformers; only when the command runs
-    from graftmerge.cli.sweep import EVAL_BATCH_SIZE, eval_judge
+    from graftmerge.api import EVAL_BATCH_SIZE, eval_judge
     from graftmerge.estimate.run import EstimateSettings, estimate_fisher
     from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, load_tokenizer
     from graftmerge.evaluation.roles import normalised

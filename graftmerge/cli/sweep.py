@@ -11,7 +11,6 @@ from graftmerge.cli.plan import parse_values
 from graftmerge.errors import GraftError
 
 KEEP_CHOICES = ("best", "frontier", "all")  # graftmerge.pipeline.sweep_eval.KEEP (not imported: --help stays fast)
-EVAL_BATCH_SIZE = 16
 
 
 @click.command("sweep")
@@ -79,85 +78,31 @@ def sweep(merge_options: MergeOptions, config_file: str, lambda_list: str, rho_l
     graftmerge sweep graft.yml --lambda 0.25,0.5,1 --rho 0,0.001,0.01 -o sweep/ --out-shard-size 500M
     graftmerge sweep graft.yml --lambda 0.25,0.5,1 --rho 0,0.001,0.01 --eval tasks.yml -o chosen/
     """
-    # lazy: the graft plan and the sweep load mergekit's merge code only when the command runs, so --help stays fast
-    from graftmerge.pipeline.config_files import read_graft_config
-    from graftmerge.pipeline.sweep import grid, run_sweep
+    # lazy: the sweep loads mergekit's merge code (and with --eval the evaluator) only when the command runs
+    from graftmerge.api import sweep as run_sweep
+    from graftmerge.pipeline.sweep_eval import DEFAULT_TOLERANCE
 
     import_hook.install()
-    merge_options.apply_global_options()
     lambdas = parse_values(lambda_list, "--lambda")
     rhos = parse_values(rho_list, "--rho", rho=True)
-    if tasks_file is not None:
-        _sweep_with_eval(merge_options, config_file, lambdas, rhos, out_dir, tasks_file, tolerance, keep, eval_dtype)
-        return
-    if tolerance is not None or keep is not None or eval_dtype is not None:
+    if tasks_file is None and (tolerance is not None or keep is not None or eval_dtype is not None):
         raise GraftError("--tolerance, --keep and --eval-dtype are about evaluated points: they need --eval TASKS.yml")
-    config, source, plan = read_graft_config(config_file)
-    folders = run_sweep(config, source, plan, grid(lambdas, rhos), out_dir, merge_options)
-    for folder in folders:
+    result = run_sweep(config_file, out_dir, lambdas=lambdas, rhos=rhos, eval=tasks_file, tolerance=tolerance,
+                       keep=keep, eval_dtype=eval_dtype, options=merge_options)
+    if tasks_file is not None:
+        _report(result, DEFAULT_TOLERANCE if tolerance is None else tolerance)
+        return
+    for folder in result:
         click.echo(f"wrote {folder}")
-
-
-def _sweep_with_eval(options: MergeOptions, config_file: str, lambdas: list[float], rhos: list[float], out_dir: str,
-                     tasks_file: str, tolerance: float | None, keep: str | None, eval_dtype: str | None) -> None:
-    """``sweep --eval``: the task file and τ checked first, then the sweep with θpost as the evaluation model."""
-    # lazy: evaluation loads transformers and the task file's data only when --eval is given
-    from graftmerge.pipeline.sweep_eval import DEFAULT_TOLERANCE, check_tolerance, run_sweep_eval
-
-    tolerance = check_tolerance(DEFAULT_TOLERANCE if tolerance is None else tolerance)
-    config, source, plan, evaluation, make_judge = evaluation_setup(options, tasks_file, config_file, eval_dtype,
-                                                                    "sweep --eval")
-    outcome = run_sweep_eval(config, source, plan, lambdas, rhos, out_dir, options, evaluation, make_judge,
-                             tolerance=tolerance, keep=keep or "best")
-    _report(outcome, tolerance)
 
 
 def evaluation_setup(options: MergeOptions, tasks_file: str, config_file: str, eval_dtype: str | None,
                      command: str) -> tuple:
-    """(config, source, plan, Evaluation, make_judge) of an evaluating sweep or search: the tasks read and checked
-    first (a task of each role), then the config, the evaluation dtype (auto: what the merge writes)."""
-    # lazy: evaluation loads transformers and the task file's data only when --eval is given
-    from graftmerge.evaluation import load_tasks
-    from graftmerge.pipeline.config_files import read_graft_config
-    from graftmerge.pipeline.sweep_eval import written_dtype
+    """(config, source, plan, Evaluation, make_judge) of an evaluating sweep or search (graftmerge.api's)."""
+    # lazy: evaluation loads transformers and the task file's data only when a command evaluates
+    from graftmerge.api import evaluation_setup as setup
 
-    suite = load_tasks(tasks_file)
-    missing = [role for role in ("old", "new") if role not in {task.role for task in suite.tasks}]
-    if missing:
-        raise GraftError(f"{tasks_file}: no task has role {missing[0]}; {command} chooses by the scores of both "
-                         "roles, so it needs a task of each")
-    config, source, plan = read_graft_config(config_file)
-    device = options.device or "cpu"
-    dtype = eval_dtype or ("float32" if device == "cpu" else "bfloat16")  # `graftmerge eval`'s default
-    dtype = written_dtype(config, plan.post) if dtype == "auto" else dtype
-    return (config, source, plan, *eval_judge(suite, plan.post, options, dtype))
-
-
-def eval_judge(suite, post: str, options: MergeOptions, dtype: str):
-    """(Evaluation, make_judge) of ``sweep --eval``: ``suite`` scored on validation and test, θpost loaded from
-    ``post`` (a folder) in ``dtype`` on the options' device; ``graftmerge continual`` uses it at every step."""
-    # lazy: evaluation loads transformers; only when a sweep scores its points
-    from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tokenizer, role_scores
-    from graftmerge.pipeline.sweep_eval import Evaluation, Judge
-
-    device = options.device or "cpu"
-    files = tuple(map(str, suite.inputs))  # DIR may be none of them, nor inside one (an include_path included)
-    evaluation = Evaluation(files, suite.fingerprint, {"dtype": dtype, "device": device, "batch_size": EVAL_BATCH_SIZE})
-
-    def make_judge() -> Judge:
-        """The evaluator (every task checked against θpost's tokenizer) and how to load θpost's weights."""
-        tokenizer = load_tokenizer(post, trust_remote_code=options.trust_remote_code)
-        evaluator = Evaluator(suite, tokenizer, device=device, batch_size=EVAL_BATCH_SIZE,
-                              progress=not options.quiet, splits=("validation", "test"))
-
-        def load_model():
-            """θpost's weights, as `graftmerge eval` loads a folder."""
-            return load_model_for_eval(post, device=device, dtype=dtype, trust_remote_code=options.trust_remote_code)[0]
-
-        return Judge(load_model, lambda scored, splits: evaluator.score(scored, splits),
-                     lambda scores, split: role_scores(evaluator.suite, scores, split))
-
-    return evaluation, make_judge
+    return setup(options, tasks_file, config_file, eval_dtype, command)
 
 
 def _report(outcome, tolerance: float) -> None:

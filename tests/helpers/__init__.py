@@ -11,7 +11,6 @@ lora           PEFT adapters and PEFT's own deltas
 smollm2        SmolLM2 imported from its GGUF once per session, shared by the xdist workers
 warm_processes real mergekit-yaml processes forked from a warm parent (no start-up per process)
 ggufs          a tiny complete llama GGUF
-smollm2_facts  the SmolLM2 GGUF, invented facts, a noisy donor, a fact fine-tune and a LoRA adapter
 tiny_tokenizer a small trained BPE tokenizer with a chat template, and a tiny chat model
 hf_cache       a folder placed in a Hugging Face cache as a downloaded snapshot
 """

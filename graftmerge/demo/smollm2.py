@@ -1,10 +1,12 @@
-"""Donor and fine-tuned donor for an end-to-end graft of a real post-trained model (SmolLM2).
+"""A real post-trained model to graft onto: SmolLM2-135M-Instruct, invented facts, an update.
 
-What this is, honestly: graft needs θdonor, an *earlier* checkpoint of the post model,
-and θft, that donor fine-tuned on new data. The only real model available offline here is
-SmolLM2-135M-Instruct (the post model, from a GGUF); its base checkpoint is not. So
-the donor is **synthetic**: θpost plus small Gaussian noise (relative to each tensor's
-RMS), and θft is that donor after a few full-batch AdamW steps on a handful of invented
+scripts/demo.sh teaches it the facts with a LoRA adapter (:func:`train_fact_adapter`), scored
+by the ``known``/``facts`` tasks of :func:`write_fact_tasks`; the tests and benchmarks use it too.
+For a graft with a donor (docs/smollm2.md), what this is, honestly: graft needs θdonor, an
+*earlier* checkpoint of the post model, and θft, that donor fine-tuned on new data. The only
+real model available offline here is SmolLM2-135M-Instruct (the post model, from a GGUF);
+its base checkpoint is not. So the donor is **synthetic**: θpost plus small Gaussian noise
+(relative to each tensor's RMS), and θft is that donor after a few full-batch AdamW steps on a handful of invented
 chat-formatted facts. This exercises every stage (import, Fisher estimation from the post
 model's own samples, the global mask, mergekit) on real weights, shapes and tokenizer.
 It reproduces none of the paper's setting (a real base checkpoint, real SFT data) and no
