@@ -15,7 +15,7 @@ $py - "$work" <<'PY'
 import json, sys
 from pathlib import Path
 from graftmerge.formats.gguf_import import import_gguf
-from tests.helpers.smollm2_facts import KNOWN_FACTS, smollm2_gguf, train_fact_adapter
+from graftmerge.demo.smollm2 import KNOWN_FACTS, smollm2_gguf, train_fact_adapter
 work = Path(sys.argv[1])
 if not (work / "post" / "config.json").exists():
     import_gguf(smollm2_gguf(), work / "post")

