@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-.venv/bin/ruff check graftmerge tests benchmarks experiments
+.venv/bin/ruff check graftmerge tests benchmarks experiments scripts
 # the docs site (mkdocs.yml) into site/: a broken link or missing page fails. Not --quiet: it drops the
 # warnings before --strict counts them, and the build then passes whatever they say.
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
