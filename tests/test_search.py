@@ -146,6 +146,23 @@ def test_per_layer_schedule_best_is_mergekit_yaml(setup, tmp_path):
     assert tensors(out / "best") == tensors(tmp_path / "reference")
 
 
+def test_per_layer_rho_under_tensor_scope_best_is_mergekit_yaml(setup, tmp_path):
+    """rho_scope: tensor: ρ is searched as anchors too; the masked corner ([0.3, 0.3]) is the only trial within
+    τ = 0.03 of θpost, so best/ holds a ρ schedule."""
+    config = tmp_path / "tensor.yml"
+    config.write_text(setup["config"].read_text().replace("  rho: 0.0\n", "  rho: 0.0\n  rho_scope: tensor\n"))
+    out = tmp_path / "out"
+    outcome = search(setup["models"], config, setup["tasks"], out, trials=2, tolerance=0.03,
+                     space=Space((0.25, 1.5), (0.01, 0.3), 2))
+    trials = validation_records(records(out))
+    assert [(t["layers"], t.get("rho_layers")) for t in trials] == [([0.25, 0.25], None), ([0.25, 0.25], [0.3, 0.3])]
+    assert outcome.chosen is not None and outcome.chosen.rho_layers == (0.3, 0.3)
+    assert "rho:\n  - 0.3\n  - 0.3" in (out / "best" / "mergekit_config.yml").read_text()
+    result = run_cli("mergekit-yaml", str(out / "best" / "mergekit_config.yml"), str(tmp_path / "reference"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert tensors(out / "best") == tensors(tmp_path / "reference")
+
+
 def worker_arguments(setup: dict, out: Path, trials: int, kill: int, workers: int) -> list[str]:
     models = setup["models"]
     return [sys.executable, "-m", "tests.helpers.search_runs", str(models["post"]), str(models["donor"]),

@@ -76,16 +76,20 @@ OURS = (RESULTS, CHOSEN, PLOT, BEST, JOURNAL, f"{JOURNAL}.lock")
 
 @dataclass(frozen=True)
 class SearchPoint(GridPoint):
-    """A trial's point: λ and ρ as a grid point's, or (``layers``) λ as per-layer anchors (``lam``: their mean)."""
+    """A trial's point: λ and ρ as a grid point's, or (``layers``) λ as per-layer anchors (``lam``: their mean),
+    and under ``rho_scope: tensor`` (``rho_layers``) ρ too (``rho``: their mean)."""
 
     layers: tuple[float, ...] = ()
     trial: int = -1
+    rho_layers: tuple[float, ...] = ()
 
     def settings(self, parameters) -> dict:
-        """The config's global parameters at this point: λ a mergekit gradient of the anchors with ``layers``."""
+        """The config's global parameters at this point: λ (and ρ) mergekit gradients of the anchors."""
         found = super().settings(parameters)
         if self.layers:
             found["lambda"] = [float(value) for value in self.layers]
+        if self.rho_layers:
+            found["rho"] = [float(value) for value in self.rho_layers]
         return found
 
     @property
@@ -101,25 +105,29 @@ class Space:
     lam: tuple[float, float] = LAMBDA_RANGE
     rho: tuple[float, float] | None = RHO_RANGE
     per_layer: int = 0
+    rho_per_layer: bool = False  # ρ as anchors too (per_layer with rho_scope: tensor)
 
     def dimensions(self) -> list[Dimension]:
         """The Optuna dimensions: lambda (or lambda_0 … lambda_{G−1}), masked and rho when ρ is searched."""
         names = [f"lambda_{i}" for i in range(self.per_layer)] if self.per_layer else ["lambda"]
         found = [Dimension(name, *self.lam) for name in names]
         if self.rho is not None:
-            found += [Dimension("masked", choice=True), Dimension("rho", *self.rho, log=True)]
+            names = [f"rho_{i}" for i in range(self.per_layer)] if self.rho_per_layer else ["rho"]
+            found += [Dimension("masked", choice=True), *(Dimension(name, *self.rho, log=True) for name in names)]
         return found
 
     def point(self, params: dict, trial: int) -> SearchPoint:
         """The point of a trial's parameters (ρ = 0 when not masked)."""
-        rho = float(params["rho"]) if self.rho is not None and params["masked"] else 0.0
+        masked = self.rho is not None and params["masked"]
+        rho = float(params["rho"]) if masked and not self.rho_per_layer else 0.0
+        rhos = tuple(float(params[f"rho_{i}"]) for i in range(self.per_layer)) if masked and self.rho_per_layer else ()
         if self.per_layer:
             layers = tuple(float(params[f"lambda_{i}"]) for i in range(self.per_layer))
-            return SearchPoint(sum(layers) / len(layers), rho, layers, trial)
+            return SearchPoint(sum(layers) / len(layers), sum(rhos) / len(rhos) if rhos else rho, layers, trial, rhos)
         return SearchPoint(float(params["lambda"]), rho, (), trial)
 
-    def params(self, lam: float | list[float], rho: float) -> dict:
-        """A trial's parameters for λ (one value, or the anchors) and ρ; GraftError when outside the space."""
+    def params(self, lam: float | list[float], rho: float | list[float]) -> dict:
+        """A trial's parameters for λ and ρ (one value each, or anchors); GraftError when outside the space."""
         anchors = lam if isinstance(lam, list) else [lam] * max(self.per_layer, 1)
         if self.per_layer and len(anchors) != self.per_layer:
             raise GraftError(f"a warm-start point has {len(anchors)} per-layer λ anchors, the search {self.per_layer}")
@@ -128,14 +136,20 @@ class Space:
                              "--lambda-range or leave it out")
         found = ({f"lambda_{i}": float(v) for i, v in enumerate(anchors)} if self.per_layer
                  else {"lambda": float(anchors[0])})
+        rhos = rho if isinstance(rho, list) else [rho] * (self.per_layer if self.rho_per_layer else 1)
         if self.rho is None:
-            if rho:
-                raise GraftError(f"a warm-start point has ρ {rho}, but the config names no Fisher cache to mask with")
+            if any(rhos):
+                raise GraftError(f"a warm-start point has ρ {rho}, but the search masks nothing (--rho-range none)")
             return found
-        if rho and not self.rho[0] <= rho <= self.rho[1]:
+        if any(rhos) and not all(self.rho[0] <= value <= self.rho[1] for value in rhos):
             raise GraftError(f"a warm-start point's ρ {rho} is outside the searched range {list(self.rho)}; widen "
                              "--rho-range or leave it out")
-        return {**found, "masked": bool(rho), "rho": float(rho) if rho else float(self.rho[0])}
+        if len(rhos) != (self.per_layer if self.rho_per_layer else 1):
+            raise GraftError(f"a warm-start point has {len(rhos)} ρ anchors, the search "
+                             f"{self.per_layer if self.rho_per_layer else 1}")
+        names = [f"rho_{i}" for i in range(len(rhos))] if self.rho_per_layer else ["rho"]
+        return {**found, "masked": bool(any(rhos)),
+                **{name: float(value) if any(rhos) else float(self.rho[0]) for name, value in zip(names, rhos)}}
 
     def corners(self) -> list[dict]:
         """The grid's corners: each end of λ's range, without a mask and at ρ's top."""
@@ -229,7 +243,7 @@ def search_header(source: str, inputs: GraftInputs, evaluation: Evaluation, spac
     header = sweep_header(source, [], [], inputs, evaluation)
     header[SEARCH_FIELD] = {
         "lambda_range": list(space.lam), "rho_range": None if space.rho is None else list(space.rho),
-        "per_layer": space.per_layer, "seed": request.seed, "warm_start": warm,
+        "per_layer": space.per_layer, "rho_per_layer": space.rho_per_layer, "seed": request.seed, "warm_start": warm,
         "sampler": "optuna TPESampler (multivariate, multi-objective)", "startup": _startup(request),
     }
     return header
@@ -259,7 +273,7 @@ def warm_start_params(warm_start: str, space: Space) -> list[dict]:
     found = []
     for record in records[1:]:
         if record["kind"] == "point" and record["splits"] == ["validation"] and "error" not in record:
-            params = space.params(record.get("layers") or record["lambda"], record["rho"])
+            params = space.params(record.get("layers") or record["lambda"], record.get("rho_layers") or record["rho"])
             if params not in found:
                 found.append(params)
     return found
@@ -331,6 +345,8 @@ class _Runner:
             record["trial"] = point.trial
             if point.layers:
                 record["layers"] = list(point.layers)
+            if point.rho_layers:
+                record["rho_layers"] = list(point.rho_layers)
         return record
 
 
@@ -338,7 +354,8 @@ def point_plan(plan: GraftPlan, point: GridPoint) -> GraftPlan:
     """The plan at ``point``: its λ and ρ, λ scheduled (bound per tensor by mergekit) for per-layer anchors."""
     found = plan.at_point(point.lam, point.rho)
     if isinstance(point, SearchPoint) and point.layers:
-        found = dataclasses.replace(found, scheduled=("lambda", *[s for s in found.scheduled if s != "lambda"]))
+        scheduled = ("lambda", *(("rho",) if point.rho_layers else ()))
+        found = dataclasses.replace(found, scheduled=(*scheduled, *[s for s in found.scheduled if s not in scheduled]))
     else:
         found.check()
     return found
@@ -430,6 +447,7 @@ def run_search(config, source: str, plan: GraftPlan, space: Space, request: Sear
     """
     check_request(request, space)
     check_config(config, plan, space)
+    space = dataclasses.replace(space, rho_per_layer=bool(space.per_layer and space.rho and plan.rho_scope == "tensor"))
     plan.at_point(space.lam[0], 0.0).check()
     if config.tokenizer is not None or config.tokenizer_source is not None:
         raise GraftError("search does not support `tokenizer:` / `tokenizer_source:` (neither does sweep)")
@@ -552,7 +570,8 @@ def _summary(selection, post: dict, validation: dict, tests: dict, request: Sear
     """chosen.json: the sweep's summary, each point with its trial number (and per-layer anchors), the search's
     budget and the validation frontier's hypervolume."""
     summary = chosen_summary(selection, post, validation, tests, request.tolerance, "best", written, total)
-    described = lambda p: {"trial": p.trial, **({"layers": list(p.layers)} if p.layers else {})}  # noqa: E731
+    described = lambda p: {"trial": p.trial, **({"layers": list(p.layers)} if p.layers else {}),  # noqa: E731
+                           **({"rho_layers": list(p.rho_layers)} if p.rho_layers else {})}
     if selection.chosen is not None:
         summary["chosen"].update(described(selection.chosen))
         summary["best"].update(described(selection.chosen))
