@@ -20,6 +20,7 @@ import pytest
 
 from graftmerge.errors import GraftError
 from graftmerge.evaluation import Evaluator, load_model_for_eval, load_tasks, normalised
+from graftmerge.formats import bounded_template
 from tests.helpers.configs import graft_yaml
 from tests.helpers.runners import error_line, run_cli
 from tests.helpers.tiny_tokenizer import save_tiny_chat_model
@@ -232,6 +233,55 @@ def test_num_fewshot_the_documents_allow_scores_both_splits(harness_setup, tmp_p
     scores = evaluator.score(harness_setup["model"], ("validation", "test"))
     assert set(scores["probe"]) == {"validation", "test"}
     assert all(0 <= value <= 1 for value in scores["probe"].values())
+
+
+# ---- apply_chat_template: true renders through the bounded renderer (docs/security.md, class 18) -------------
+
+def chat_tasks_file(harness_setup, folder: Path) -> Path:
+    """A tasks file with one chat-templated lm-eval entry, two shots as multi-turn chat."""
+    (folder / "tasks.yml").write_text(f"tasks:\n  - name: probe\n    role: old\n    lm_eval: {{task: graft_probe, "
+                                      f"include_path: {harness_setup['root'] / 'harness'}, num_fewshot: 2, "
+                                      "apply_chat_template: true}\n")
+    return folder / "tasks.yml"
+
+
+def test_a_chat_task_renders_in_one_bounded_batch_exactly_as_the_harness_does(harness_setup, tmp_path, monkeypatch):
+    """Every prompt in one child process; contexts and score the same as the harness's own rendering gives."""
+    import lm_eval.evaluator
+    from lm_eval.models.huggingface import HFLM
+
+    batches = []
+    real_render = bounded_template.render_conversations
+    monkeypatch.setattr(bounded_template, "render_conversations",
+                        lambda tokenizer, conversations: batches.append(len(conversations))
+                        or real_render(tokenizer, conversations))
+    evaluator = Evaluator(load_tasks(chat_tasks_file(harness_setup, tmp_path)), harness_setup["tokenizer"],
+                          batch_size=4, progress=False)
+    ours = evaluator.score(harness_setup["model"], ("test",))["probe"]["test"]
+    assert [size for size in batches if size] == [5]  # the test split's 5 documents, one prompt each, one fork
+    task = evaluator.harness["probe"].harness_task
+    bounded = [instance.args for instance in task.instances]
+    assert all(context.startswith("<|im_start|>user\n") and context.endswith("<|im_start|>assistant\n")
+               and context.count("<|im_start|>user") == 3 for context, _ in bounded)  # two shots, then the question
+    task.set_fewshot_seed(seed=1234)
+    lm = HFLM(pretrained=harness_setup["model"], tokenizer=harness_setup["tokenizer"], batch_size=4)
+    results = lm_eval.evaluator.evaluate(lm=lm, task_dict={"tasks": {"graft_probe": task}}, bootstrap_iters=0,
+                                         apply_chat_template=True, fewshot_as_multiturn=True)
+    assert [instance.args for instance in task.instances] == bounded  # the harness's own rendering, to the byte
+    assert results["results"]["graft_probe"]["acc,none"] == ours
+
+
+def test_a_chat_template_past_its_budget_is_one_line_naming_its_file(harness_setup, tmp_path, monkeypatch):
+    monkeypatch.setattr(bounded_template, "RENDER_SECONDS", 1.0)
+    folder = shutil.copytree(harness_setup["folder"], tmp_path / "model")
+    (folder / "chat_template.jinja").write_text("{% for i in range(100000) %}{% for j in range(100000) %}"
+                                                "{% endfor %}{% endfor %}")
+    result = run_cli("graftmerge", "eval", str(folder), "--tasks", str(chat_tasks_file(harness_setup, tmp_path)),
+                     "--json", str(tmp_path / "scores.json"), "--no-progress")
+    line = error_line(result)
+    assert line.startswith(f"error: {folder / 'chat_template.jinja'}: the chat template ran past its budget "
+                           "(more than 1 s for one conversation"), line
+    assert "lm-eval task 'graft_probe'" in line and result.stdout == "" and not (tmp_path / "scores.json").exists()
 
 
 # ---- a task's include_path: fingerprinted without bytecode, never a sweep's DIR (docs/security.md, class 14) ------

@@ -23,6 +23,13 @@ from typing import Any
 
 from graftmerge.errors import GraftError
 from graftmerge.evaluation.tasks import Task, first_line
+from graftmerge.formats.bounded_template import (
+    Conversation,
+    Rendering,
+    conversation_key,
+    render_each_once,
+    template_file,
+)
 
 INSTALL_HINT = "pip install graftmerge[eval]"
 FEWSHOT_SEED = 1234  # the harness's own default
@@ -222,6 +229,8 @@ def score_harness_task(entry: HarnessTask, model, tokenizer, split: str, batch_s
     try:
         with quiet_harness(), harness_progress(progress):
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+            if spec.apply_chat_template:
+                lm.apply_chat_template = BoundedChat.prepared(lm, tokenizer, entry, spec.limit)
             results = lm_eval.evaluator.evaluate(
                 lm=lm, task_dict={"tasks": {spec.task: task}}, limit=spec.limit, bootstrap_iters=0,
                 log_samples=False, apply_chat_template=spec.apply_chat_template,
@@ -233,3 +242,57 @@ def score_harness_task(entry: HarnessTask, model, tokenizer, split: str, batch_s
     keys = [key for key in row if key.split(",")[0] == spec.metric]
     value = float(row[keys[0]]) if keys else math.nan
     return value if math.isfinite(value) else math.nan
+
+
+class BoundedChat:
+    """The harness LM's ``apply_chat_template``, rendered by the bounded renderer (docs/security.md, class 18).
+
+    The harness renders a task's prompts one by one while it builds its requests; a
+    recording pass of that build first collects them all, so they are rendered in one
+    bounded batch (one fork) and the harness's own pass only looks them up. Options and
+    the fallback (the system turn dropped when the template fails) are the harness's.
+    """
+
+    def __init__(self, tokenizer, options: dict, where: str):
+        self.tokenizer, self.options, self.where = tokenizer, options, where
+        self.rendered: dict[str, Rendering] = {}
+        self.recorded: list[Conversation] | None = None
+
+    @classmethod
+    def prepared(cls, lm, tokenizer, entry: HarnessTask, limit) -> BoundedChat:
+        """A renderer for ``lm`` holding every prompt of ``entry``'s task, rendered in one batch."""
+        where = f"{entry.task.where} (lm-eval task {entry.task.lm_eval.task!r})"
+        chat = cls(tokenizer, dict(getattr(lm, "chat_template_args", None) or {}), where)
+        chat.recorded, task = [], entry.harness_task
+        sample_size = importlib.import_module("lm_eval.evaluator_utils").get_sample_size  # lm-eval: optional
+        try:
+            task.build_all_requests(limit=sample_size(task, limit),
+                                    rank=lm.rank, world_size=lm.world_size, apply_chat_template=True,
+                                    fewshot_as_multiturn=True, chat_template=chat, tokenizer_name="")
+        finally:
+            recorded, chat.recorded = chat.recorded, None
+            task.set_fewshot_seed(seed=FEWSHOT_SEED)  # the harness's own pass draws the same few-shot examples
+        chat.rendered.update(render_each_once(tokenizer, recorded))
+        return chat
+
+    def __call__(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        """What the harness's HFLM.apply_chat_template returns, rendered within the budget."""
+        options = {"add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": not add_generation_prompt, **self.options}
+        if self.recorded is not None:
+            self.recorded.append(Conversation(chat_history, self.where, options))
+            return ""
+        rendering = self.render(chat_history, options)
+        if rendering.error is not None:  # as the harness does: once more without the system turn
+            rendering = self.render([turn for turn in chat_history if turn.get("role") != "system"], options)
+        if rendering.error is not None:
+            raise GraftError(f"{template_file(self.tokenizer)}: the chat template failed on a prompt of "
+                             f"{self.where}: {rendering.error}")
+        return rendering.text
+
+    def render(self, messages: list[dict], options: dict) -> Rendering:
+        """The rendering of one conversation: from the batch, else rendered now (bounded, on its own)."""
+        key = conversation_key(messages, options)
+        if key not in self.rendered:
+            self.rendered.update(render_each_once(self.tokenizer, [Conversation(messages, self.where, options)]))
+        return self.rendered[key]
