@@ -163,6 +163,38 @@ def test_per_layer_rho_under_tensor_scope_best_is_mergekit_yaml(setup, tmp_path)
     assert tensors(out / "best") == tensors(tmp_path / "reference")
 
 
+def test_several_configs_are_one_categorical_choice(setup, tmp_path):
+    """Two configs (another fine-tune as donor_ft): the corners of each first, each trial names its config, and
+    best/ is mergekit-yaml of the chosen config at the chosen point."""
+    other = tmp_path / "other.yml"
+    other.write_text(setup["config"].read_text().replace(str(setup["models"]["donor_ft"]),
+                                                         str(setup["models"]["donor_ft2"])))
+    out = tmp_path / "out"
+    outcome = search(setup["models"], setup["config"], setup["tasks"], out, trials=6, space=UNMASKED,
+                     more_configs=(other,))
+    trials = validation_records(records(out))
+    assert [(t["config"], t["lambda"]) for t in trials[:4]] == [(0, 0.25), (0, 1.5), (1, 0.25), (1, 1.5)]
+    assert all(t["config"] in (0, 1) for t in trials)
+    assert trials[0]["scores"] != trials[2]["scores"]  # the same point of the other config is another model
+    chosen = json.loads((out / "chosen.json").read_text())["chosen"]
+    assert chosen["config"] == outcome.chosen.config
+    donor_ft = setup["models"]["donor_ft2" if outcome.chosen.config else "donor_ft"]
+    assert str(donor_ft) in (out / "best" / "mergekit_config.yml").read_text()
+    result = run_cli("mergekit-yaml", str(out / "best" / "mergekit_config.yml"), str(tmp_path / "reference"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert tensors(out / "best") == tensors(tmp_path / "reference")
+
+
+def test_configs_of_different_models_are_refused(setup, tmp_path):
+    other = tmp_path / "other.yml"
+    other.write_text(setup["config"].read_text().replace(f"base_model: {setup['models']['post']}",
+                                                         f"base_model: {setup['models']['donor_ft2']}"))
+    with pytest.raises(GraftError, match="must share base_model"):
+        search(setup["models"], setup["config"], setup["tasks"], tmp_path / "out", trials=3, space=UNMASKED,
+               more_configs=(other,))
+    assert not (tmp_path / "out").exists()
+
+
 def worker_arguments(setup: dict, out: Path, trials: int, kill: int, workers: int) -> list[str]:
     models = setup["models"]
     return [sys.executable, "-m", "tests.helpers.search_runs", str(models["post"]), str(models["donor"]),

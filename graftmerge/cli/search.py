@@ -16,7 +16,7 @@ DEFAULT_LAMBDA, DEFAULT_RHO = "0,1.5", "0.0001,0.1"  # graftmerge.pipeline.searc
 
 
 @click.command("search")
-@click.argument("config_file", type=click.Path(dir_okay=False))
+@click.argument("config_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--eval", "tasks_file", required=True, type=click.Path(dir_okay=False), metavar="TASKS.yml",
               help="The tasks whose old-role and new-role validation scores are the two objectives.")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
@@ -40,10 +40,13 @@ DEFAULT_LAMBDA, DEFAULT_RHO = "0,1.5", "0.0001,0.1"  # graftmerge.pipeline.searc
 @click.option("--eval-dtype", type=click.Choice(["float32", "bfloat16", "float16", "auto"]), default=None,
               help="The evaluation model's dtype, as `sweep --eval-dtype`.")
 @add_merge_options
-def search(merge_options: MergeOptions, config_file: str, tasks_file: str, out_dir: str, trials: int, seed: int,
-           per_layer: int, tolerance: float, lambda_range: str, rho_range: str, warm_start: str, workers: int,
-           join: bool, eval_dtype: str | None) -> None:
+def search(merge_options: MergeOptions, config_files: tuple[str, ...], tasks_file: str, out_dir: str, trials: int,
+           seed: int, per_layer: int, tolerance: float, lambda_range: str, rho_range: str, warm_start: str,
+           workers: int, join: bool, eval_dtype: str | None) -> None:
     """Search λ and ρ (or per-layer λ) for the best trade-off on your tasks, with a trial budget instead of a grid.
+
+    Several CONFIGs (grafting onto the same model) are searched together: which
+    config is one more choice of each trial.
 
     Each trial is grafted in memory and scored on the tasks' validation splits; the
     two objectives, old-role and new-role scores, are maximised by Optuna's
@@ -57,6 +60,7 @@ def search(merge_options: MergeOptions, config_file: str, tasks_file: str, out_d
     graftmerge search graft.yml --eval tasks.yml -o search/ --trials 27 --per-layer 3 --workers 2
     """
     # lazy: the search loads mergekit's merge code, transformers and optuna only when the command runs
+    from graftmerge.pipeline.config_files import read_graft_config
     from graftmerge.pipeline.search import SearchRequest, Space, check_request, run_search
     from graftmerge.pipeline.search_study import optuna_module
 
@@ -69,11 +73,12 @@ def search(merge_options: MergeOptions, config_file: str, tasks_file: str, out_d
         raise GraftError(f"--per-layer must be a number of anchors ≥ 1 (or 0: one λ), got {per_layer}")
     request = SearchRequest(trials, seed, tolerance, warm_start, workers, join)
     check_request(request, space)  # before the tasks and the config are read
-    config, source, plan, evaluation, make_judge = evaluation_setup(merge_options, tasks_file, config_file,
+    config, source, plan, evaluation, make_judge = evaluation_setup(merge_options, tasks_file, config_files[0],
                                                                     eval_dtype, "search")
+    others = tuple(read_graft_config(path) for path in config_files[1:])
     command = [sys.executable, "-m", "graftmerge", *sys.argv[1:], "--join"] if workers > 1 else None
     outcome = run_search(config, source, plan, space, request, out_dir, merge_options, evaluation, make_judge,
-                         worker_command=command)
+                         worker_command=command, others=others)
     if outcome is not None:
         _report(outcome, tolerance)
 
@@ -104,6 +109,7 @@ def _report(outcome, tolerance: float) -> None:
                    "λ = 0 graft")
     else:
         what = f"λ anchors {list(chosen.layers)}" if chosen.layers else f"λ {chosen.lam:g}"
+        what += f" (config {chosen.config + 1})" if chosen.config else ""
         click.echo(f"chosen: trial {chosen.trial}, {what}, ρ {chosen.rho:g}; test {roles(outcome.chosen_test, 'test')}")
     click.echo(f"{outcome.trials} trials; Pareto frontier: trials " + ", ".join(str(p.trial) for p in outcome.frontier)
                + f"; hypervolume {outcome.hypervolume:.4f}")

@@ -35,7 +35,7 @@ HEADER_FIELDS = {
 }
 RECORD_FIELDS = {"post": ("kind", "splits", "scores", "roles", "seconds"),
                  "point": ("kind", "lambda", "rho", "splits", "scores", "roles", "seconds")}
-OPTIONAL_FIELDS = ("error", "trial", "layers", "rho_layers")  # trial and anchors: a search's records
+OPTIONAL_FIELDS = ("error", "trial", "layers", "rho_layers", "config")  # a search's: trial, anchors, config
 SEARCH_FIELD = "search"  # a search's header: its space, seed and sampler (the grid: the values its trials took)
 TORN_START = b'{"kind": "po'  # every record line begins so ("post" or "point"); a torn one begins as much of it
 
@@ -139,6 +139,9 @@ def _record_problem(record, grid: dict) -> str | None:
         if "rho_layers" in record and not (isinstance(record["rho_layers"], list) and record["rho_layers"]
                                            and all(_number(v) and 0 <= v < 1 for v in record["rho_layers"])):
             return "'rho_layers' is not a list of per-layer ρ anchors"
+        if "config" in record and not (isinstance(record["config"], int) and not isinstance(record["config"], bool)
+                                       and record["config"] >= 0):
+            return "'config' is not the index of a searched config"
         if not (_number(record["lambda"]) and _number(record["rho"])):
             return "'lambda' and 'rho' must be numbers"
         if record["lambda"] not in grid["lambda"] or record["rho"] not in grid["rho"]:

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import hashlib
 import json
 import os
 import socket
@@ -82,6 +83,7 @@ class SearchPoint(GridPoint):
     layers: tuple[float, ...] = ()
     trial: int = -1
     rho_layers: tuple[float, ...] = ()
+    config: int = 0  # which of the searched configs (their order on the command line)
 
     def settings(self, parameters) -> dict:
         """The config's global parameters at this point: λ (and ρ) mergekit gradients of the anchors."""
@@ -106,6 +108,7 @@ class Space:
     rho: tuple[float, float] | None = RHO_RANGE
     per_layer: int = 0
     rho_per_layer: bool = False  # ρ as anchors too (per_layer with rho_scope: tensor)
+    configs: int = 1  # several configs: one categorical choice among them
 
     def dimensions(self) -> list[Dimension]:
         """The Optuna dimensions: lambda (or lambda_0 … lambda_{G−1}), masked and rho when ρ is searched."""
@@ -114,6 +117,8 @@ class Space:
         if self.rho is not None:
             names = [f"rho_{i}" for i in range(self.per_layer)] if self.rho_per_layer else ["rho"]
             found += [Dimension("masked", choice=True), *(Dimension(name, *self.rho, log=True) for name in names)]
+        if self.configs > 1:
+            found.append(Dimension("config", choices=tuple(range(self.configs))))
         return found
 
     def point(self, params: dict, trial: int) -> SearchPoint:
@@ -121,13 +126,19 @@ class Space:
         masked = self.rho is not None and params["masked"]
         rho = float(params["rho"]) if masked and not self.rho_per_layer else 0.0
         rhos = tuple(float(params[f"rho_{i}"]) for i in range(self.per_layer)) if masked and self.rho_per_layer else ()
+        config = int(params.get("config", 0))
         if self.per_layer:
             layers = tuple(float(params[f"lambda_{i}"]) for i in range(self.per_layer))
-            return SearchPoint(sum(layers) / len(layers), sum(rhos) / len(rhos) if rhos else rho, layers, trial, rhos)
-        return SearchPoint(float(params["lambda"]), rho, (), trial)
+            return SearchPoint(sum(layers) / len(layers), sum(rhos) / len(rhos) if rhos else rho, layers, trial, rhos,
+                               config)
+        return SearchPoint(float(params["lambda"]), rho, (), trial, (), config)
 
-    def params(self, lam: float | list[float], rho: float | list[float]) -> dict:
-        """A trial's parameters for λ and ρ (one value each, or anchors); GraftError when outside the space."""
+    def params(self, lam: float | list[float], rho: float | list[float], config: int = 0) -> dict:
+        """A trial's parameters for λ and ρ (one value each, or anchors) and the config; GraftError when outside
+        the space."""
+        if not 0 <= config < self.configs:
+            raise GraftError(f"a warm-start point is of config {config}, but {self.configs} config(s) are searched")
+        chosen = {"config": config} if self.configs > 1 else {}
         anchors = lam if isinstance(lam, list) else [lam] * max(self.per_layer, 1)
         if self.per_layer and len(anchors) != self.per_layer:
             raise GraftError(f"a warm-start point has {len(anchors)} per-layer λ anchors, the search {self.per_layer}")
@@ -140,7 +151,7 @@ class Space:
         if self.rho is None:
             if any(rhos):
                 raise GraftError(f"a warm-start point has ρ {rho}, but the search masks nothing (--rho-range none)")
-            return found
+            return {**found, **chosen}
         if any(rhos) and not all(self.rho[0] <= value <= self.rho[1] for value in rhos):
             raise GraftError(f"a warm-start point's ρ {rho} is outside the searched range {list(self.rho)}; widen "
                              "--rho-range or leave it out")
@@ -149,12 +160,13 @@ class Space:
                              f"{self.per_layer if self.rho_per_layer else 1}")
         names = [f"rho_{i}" for i in range(len(rhos))] if self.rho_per_layer else ["rho"]
         return {**found, "masked": bool(any(rhos)),
-                **{name: float(value) if any(rhos) else float(self.rho[0]) for name, value in zip(names, rhos)}}
+                **{name: float(value) if any(rhos) else float(self.rho[0]) for name, value in zip(names, rhos)},
+                **chosen}
 
     def corners(self) -> list[dict]:
-        """The grid's corners: each end of λ's range, without a mask and at ρ's top."""
+        """The grid's corners: each end of λ's range, without a mask and at ρ's top (of each config)."""
         rhos = [0.0] if self.rho is None else [0.0, self.rho[1]]
-        return [self.params(lam, rho) for lam in self.lam for rho in rhos]
+        return [self.params(lam, rho, config) for config in range(self.configs) for lam in self.lam for rho in rhos]
 
 
 @dataclass
@@ -236,14 +248,20 @@ def _layer_count(post: str) -> int:
                          "it") from None
 
 
-def search_header(source: str, inputs: GraftInputs, evaluation: Evaluation, space: Space, request: SearchRequest,
-                  warm: list[dict]) -> dict:
-    """What the study is for: the sweep header's fields (config, tasks, inputs, settings) and the search's own
-    (space, seed, sampler, warm start). Neither the budget nor τ: a search may be resumed with more trials."""
-    header = sweep_header(source, [], [], inputs, evaluation)
+def search_header(sources: list[str], inputs: list[GraftInputs], evaluation: Evaluation, space: Space,
+                  request: SearchRequest, warm: list[dict]) -> dict:
+    """What the study is for: the sweep header's fields (config, tasks, inputs, settings; of several configs,
+    one digest of theirs) and the search's own (space, seed, sampler, warm start). Neither the budget nor τ: a
+    search may be resumed with more trials."""
+    headers = [sweep_header(source, [], [], found, evaluation) for source, found in zip(sources, inputs, strict=True)]
+    header = headers[0]
+    for field in ("config_sha256", "inputs_sha256"):
+        if len(headers) > 1:
+            header[field] = hashlib.sha256("\0".join(h[field] for h in headers).encode()).hexdigest()
     header[SEARCH_FIELD] = {
         "lambda_range": list(space.lam), "rho_range": None if space.rho is None else list(space.rho),
-        "per_layer": space.per_layer, "rho_per_layer": space.rho_per_layer, "seed": request.seed, "warm_start": warm,
+        "per_layer": space.per_layer, "rho_per_layer": space.rho_per_layer, "configs": space.configs,
+        "seed": request.seed, "warm_start": warm,
         "sampler": "optuna TPESampler (multivariate, multi-objective)", "startup": _startup(request),
     }
     return header
@@ -273,7 +291,8 @@ def warm_start_params(warm_start: str, space: Space) -> list[dict]:
     found = []
     for record in records[1:]:
         if record["kind"] == "point" and record["splits"] == ["validation"] and "error" not in record:
-            params = space.params(record.get("layers") or record["lambda"], record.get("rho_layers") or record["rho"])
+            params = space.params(record.get("layers") or record["lambda"], record.get("rho_layers") or record["rho"],
+                                  record.get("config", 0))
             if params not in found:
                 found.append(params)
     return found
@@ -321,9 +340,7 @@ class _Runner:
     def __init__(self, config, source: str, plan: GraftPlan, inputs: GraftInputs, loaded, judge: Judge,
                  read: list, out: Path, options):
         self.config, self.source, self.plan, self.inputs, self.loaded = config, source, plan, inputs, loaded
-        self.read, self.out, self.options = read, out, options
-        load = judge.load_model
-        self.judge = dataclasses.replace(judge, load_model=functools.cache(load))  # every point overwrites it whole
+        self.read, self.out, self.options, self.judge = read, out, options, judge
 
     def sweep(self, points: list[GridPoint]) -> _EvalSweep:
         """The sweep machinery opened for ``points`` (their global thresholds found in one scoring pass)."""
@@ -347,6 +364,29 @@ class _Runner:
                 record["layers"] = list(point.layers)
             if point.rho_layers:
                 record["rho_layers"] = list(point.rho_layers)
+
+        return record
+
+
+class _Runners:
+    """One runner per searched config, sharing one evaluation model; each point goes to its config's runner."""
+
+    def __init__(self, runners: list[_Runner]):
+        self.runners, self.out = runners, runners[0].out
+
+    def _of(self, point: GridPoint | None) -> _Runner:
+        """The runner of ``point``'s config (θpost and its λ = 0 point: the first config's)."""
+        return self.runners[getattr(point, "config", 0)]
+
+    def sweep(self, points: list[GridPoint]) -> _EvalSweep:
+        """The sweep machinery opened for ``points``, all of one config."""
+        return self._of(points[0]).sweep(points)
+
+    def score(self, point: GridPoint | None, splits: tuple[str, ...], sweep: _EvalSweep | None = None) -> dict:
+        """The record of ``point`` (None: θpost), with its config's index when several are searched."""
+        record = self._of(point).score(point, splits, sweep)
+        if len(self.runners) > 1 and isinstance(point, SearchPoint):
+            record["config"] = point.config
         return record
 
 
@@ -418,7 +458,7 @@ def _next_trial(study: Study, space: Space, request: SearchRequest) -> tuple[int
     return number, params
 
 
-def work(study: Study, runner: _Runner, space: Space, request: SearchRequest,
+def work(study: Study, runner: _Runners, space: Space, request: SearchRequest,
          progress: Callable[[dict], None] | None = None) -> int:
     """Claim, evaluate and tell trials until the budget is claimed; how many this worker evaluated."""
     done = 0
@@ -439,31 +479,32 @@ def work(study: Study, runner: _Runner, space: Space, request: SearchRequest,
 
 def run_search(config, source: str, plan: GraftPlan, space: Space, request: SearchRequest, out_dir: str, options,
                evaluation: Evaluation, make_judge: Callable[[], Judge], worker_command: list[str] | None = None,
-               progress: Callable[[dict], None] | None = None) -> SearchOutcome | None:
+               progress: Callable[[dict], None] | None = None, others: tuple = ()) -> SearchOutcome | None:
     """Run (or resume, or join) a search (module doc); None for a joining worker, which writes no outputs.
 
     Every check that can fail on bad input runs before DIR is touched or anything is scored.
     ``worker_command``: the command that starts one more worker (``--join``), for ``request.workers`` > 1.
+    ``others``: more (config, source, plan) searched as one categorical choice with the first.
     """
+    entries = [(config, source, plan), *others]
     check_request(request, space)
-    check_config(config, plan, space)
-    space = dataclasses.replace(space, rho_per_layer=bool(space.per_layer and space.rho and plan.rho_scope == "tensor"))
-    plan.at_point(space.lam[0], 0.0).check()
-    if config.tokenizer is not None or config.tokenizer_source is not None:
-        raise GraftError("search does not support `tokenizer:` / `tokenizer_source:` (neither does sweep)")
+    space = _checked_space(entries, space)
     warm = warm_start_params(request.warm_start, space)
     tasks = [("task file" if i == 0 else "task data", file) for i, file in enumerate(evaluation.files)]
     if request.warm_start not in ("corners", "none"):
         tasks.append(("warm-start results", request.warm_start))
-    read = [*plan_inputs(plan), *tasks]
+    read = [*(item for _, _, entry_plan in entries for item in plan_inputs(entry_plan)), *tasks]
     check_not_inputs(out_dir, read)
-    loaded = check_mergekit_inputs(config, options.allow_crimes, options.trust_remote_code)
-    inputs = GraftInputs.open(plan.at_point(space.lam[-1], (space.rho or (0.0, 0.0))[1]))
-    header = search_header(source, inputs, evaluation, space, request, warm)
+    loaded = [check_mergekit_inputs(entry[0], options.allow_crimes, options.trust_remote_code) for entry in entries]
+    inputs = [GraftInputs.open(entry[2].at_point(space.lam[-1], (space.rho or (0.0, 0.0))[1])) for entry in entries]
+    header = search_header([entry[1] for entry in entries], inputs, evaluation, space, request, warm)
     lock = contextlib.nullcontext(Path(out_dir).resolve()) if request.join else locked(out_dir)
     with lock as out:
         check_folder(out, header, request.join)
-        runner = _Runner(config, source, plan, inputs, loaded, make_judge(), read, out, options)
+        judge = make_judge()
+        judge = dataclasses.replace(judge, load_model=functools.cache(judge.load_model))  # each point overwrites it
+        runner = _Runners([_Runner(*entry, entry_inputs, entry_loaded, judge, read, out, options)
+                           for entry, entry_inputs, entry_loaded in zip(entries, inputs, loaded, strict=True)])
         if request.join:
             work(Study(out), runner, space, request, progress)
             return None
@@ -478,7 +519,27 @@ def run_search(config, source: str, plan: GraftPlan, space: Space, request: Sear
         return _finish(study, runner, space, request)
 
 
-def _started(runner: _Runner, out: Path, header: dict) -> Study:
+def _checked_space(entries: list[tuple], space: Space) -> Space:
+    """The space for these configs (ρ anchors under rho_scope: tensor, the config choice); GraftError for a
+    config the search cannot run, or configs of different post models or ρ scopes."""
+    for config, _, plan in entries:
+        check_config(config, plan, space)
+        plan.at_point(space.lam[0], 0.0).check()
+        if config.tokenizer is not None or config.tokenizer_source is not None:
+            raise GraftError("search does not support `tokenizer:` / `tokenizer_source:` (neither does sweep)")
+    first = entries[0][2]
+    for _, _, plan in entries[1:]:
+        if Path(plan.post).resolve() != Path(first.post).resolve():
+            raise GraftError(f"the searched configs graft onto different models ({first.post}, {plan.post}); "
+                             "θpost is the bar every trial is held to, so they must share base_model")
+        if plan.rho_scope != first.rho_scope:
+            raise GraftError(f"the searched configs have different rho_scope ({first.rho_scope}, {plan.rho_scope}); "
+                             "give them the same")
+    return dataclasses.replace(space, configs=len(entries),
+                               rho_per_layer=bool(space.per_layer and space.rho and first.rho_scope == "tensor"))
+
+
+def _started(runner: _Runners, out: Path, header: dict) -> Study:
     """The study in DIR, θpost scored and stored in it (once: a resumed search reads it back)."""
     existing = stored_header(out) if out.is_dir() else None
     post = Study(out).attribute("post") if existing is not None else None
@@ -508,7 +569,7 @@ def _spawn(command: list[str] | None):
     return subprocess.Popen(command)
 
 
-def _until_finished(study: Study, runner: _Runner, space: Space, request: SearchRequest, progress) -> None:
+def _until_finished(study: Study, runner: _Runners, space: Space, request: SearchRequest, progress) -> None:
     """Work until every claimed trial is finished (waiting on other live workers' trials)."""
     while True:
         work(study, runner, space, request, progress)
@@ -518,7 +579,7 @@ def _until_finished(study: Study, runner: _Runner, space: Space, request: Search
         time.sleep(1.0)
 
 
-def _finish(study: Study, runner: _Runner, space: Space, request: SearchRequest) -> SearchOutcome:
+def _finish(study: Study, runner: _Runners, space: Space, request: SearchRequest) -> SearchOutcome:
     """The rule on validation, test scores of the chosen trial and the frontier, then DIR's outputs."""
     trials = [t for t in study.trials() if t.record is not None][: max(request.trials, 0) or None]
     post = study.attribute("post")
@@ -528,7 +589,7 @@ def _finish(study: Study, runner: _Runner, space: Space, request: SearchRequest)
     wanted = list(dict.fromkeys(selection.frontier + ([selection.chosen] if selection.chosen else [])))
     best, out = selection.chosen or POST_POINT, runner.out
     # one scoring pass for every point of a (λ, ρ) search; a per-layer trial's schedule is its own, so alone
-    together = not space.per_layer
+    together = not space.per_layer and len({getattr(p, "config", 0) for p in [*wanted, best]}) == 1
     sweep = runner.sweep([*wanted, best]) if together else None
     try:
         tests = {}
@@ -546,7 +607,8 @@ def _finish(study: Study, runner: _Runner, space: Space, request: SearchRequest)
                              [_number(validation[p]["roles"]["validation"]["new"]) for p in ok])
         _replace_file(out / RESULTS, _results_log(study.header, post, points, validation, tests), sweep.scratch)
         _write_plot(out, sweep.scratch, points, validation, post, selection, request.tolerance)
-        summary = _summary(selection, post, validation, tests, request, written, len(points), volume)
+        summary = _summary(selection, post, validation, tests, request, written, len(points), volume,
+                           space.configs)
         _replace_file(out / CHOSEN, (json.dumps(summary, indent=2, ensure_ascii=False) + "\n").encode(),
                       sweep.scratch)  # last: chosen.json present means every folder it names is in place
     finally:
@@ -566,12 +628,13 @@ def _results_log(header: dict, post: dict, points: list[SearchPoint], validation
 
 
 def _summary(selection, post: dict, validation: dict, tests: dict, request: SearchRequest, written: list[Path],
-             total: int, volume: float) -> dict:
+             total: int, volume: float, configs: int = 1) -> dict:
     """chosen.json: the sweep's summary, each point with its trial number (and per-layer anchors), the search's
     budget and the validation frontier's hypervolume."""
     summary = chosen_summary(selection, post, validation, tests, request.tolerance, "best", written, total)
     described = lambda p: {"trial": p.trial, **({"layers": list(p.layers)} if p.layers else {}),  # noqa: E731
-                           **({"rho_layers": list(p.rho_layers)} if p.rho_layers else {})}
+                           **({"rho_layers": list(p.rho_layers)} if p.rho_layers else {}),
+                           **({"config": p.config} if configs > 1 else {})}
     if selection.chosen is not None:
         summary["chosen"].update(described(selection.chosen))
         summary["best"].update(described(selection.chosen))

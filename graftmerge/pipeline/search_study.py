@@ -28,13 +28,15 @@ INSTALL = "graftmerge search needs Optuna: pip install 'graftmerge[search]' (or 
 
 @dataclass(frozen=True)
 class Dimension:
-    """One searched parameter: a float in [low, high] (log-uniform when ``log``), or a yes/no choice."""
+    """One searched parameter: a float in [low, high] (log-uniform when ``log``), a yes/no choice, or one of
+    ``choices``."""
 
     name: str
     low: float = 0.0
     high: float = 1.0
     log: bool = False
     choice: bool = False
+    choices: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,9 @@ def _distributions(space: list[Dimension]) -> dict:
     optuna = optuna_module()
     found = {}
     for dimension in space:
-        if dimension.choice:
-            found[dimension.name] = optuna.distributions.CategoricalDistribution([False, True])
+        if dimension.choice or dimension.choices:
+            found[dimension.name] = optuna.distributions.CategoricalDistribution(list(dimension.choices or
+                                                                                      (False, True)))
         else:
             found[dimension.name] = optuna.distributions.FloatDistribution(dimension.low, dimension.high,
                                                                            log=dimension.log)

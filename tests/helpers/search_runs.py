@@ -36,7 +36,8 @@ class KillingJudge(WeightJudge):
 
 def search(models: dict, config: Path, tasks: Path, out: Path, *, trials: int = 8, space: Space = SPACE,
            seed: int = 0, tolerance: float = 0.3, judge: WeightJudge | None = None, warm_start: str = "corners",
-           workers: int = 1, join: bool = False, worker_command=None, fingerprint: str = "tasks-1"):
+           workers: int = 1, join: bool = False, worker_command=None, fingerprint: str = "tasks-1",
+           more_configs: tuple = ()):
     """run_search in this process, θpost loaded as the evaluation model (float32)."""
     import_hook.install()
     forget_process_state()
@@ -49,8 +50,9 @@ def search(models: dict, config: Path, tasks: Path, out: Path, *, trials: int = 
 
     request = SearchRequest(trials, seed, tolerance, warm_start, workers, join)
     try:
+        others = tuple(read_graft_config(str(path)) for path in more_configs)
         return run_search(loaded, source, plan, space, request, str(out), MergeOptions(quiet=True), evaluation,
-                          make_judge, worker_command=worker_command)
+                          make_judge, worker_command=worker_command, others=others)
     finally:
         forget_process_state()
 
