@@ -5,7 +5,8 @@ processes, interleaved, medians of --repeats:
 
   (a) ``--minimal``: a graft at ρ = 0 with no checks, written for speed: bf16 spans read from
       the mmapped shards, computed in cache-sized float32 spans with reused buffers, written
-      as bf16 shards. The script asserts it writes the same bits as graftmerge's ρ = 0 graft.
+      as bf16 shards, on one thread (OMP_NUM_THREADS to change it).
+      The script asserts it writes the same bits as graftmerge's ρ = 0 graft.
   (b) ``cat`` of the three inputs plus ``cp`` of one model folder (the bytes alone).
   (c) mergekit's ``task_arithmetic``.
   (d) graftmerge through ``mergekit-yaml``: ρ = 0, global diagonal ρ = 0.01, full-rank KFAC,
@@ -84,6 +85,10 @@ def minimal_graft(post: Path, donor: Path, fine_tune: Path, out: Path, lam: floa
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--minimal"]:  # the child of (a): torch and numpy only
+    if not os.environ.get("OMP_NUM_THREADS"):
+        # One thread: the spans are memory-bound, and on a shared 2-core machine a second
+        # thread waits for a descheduled partner at every op (4.1 s against 2.5 s, load 7).
+        torch.set_num_threads(1)
     minimal_graft(*map(Path, sys.argv[2:6]), float(sys.argv[6]))
     sys.exit(0)
 
@@ -175,10 +180,11 @@ def same_bits(graft_out: Path, minimal_out: Path) -> None:
     print(f"minimal graft writes the same bits as graft ρ=0 ({len(seen)} tensors)", flush=True)
 
 
-def build(workdir: Path, config) -> None:
+def build(workdir: Path, config, kfac: bool) -> None:
     build_inputs(workdir, config)
-    write_kfac_cache(workdir)
-    compact_cache(workdir, 512)
+    if kfac:
+        write_kfac_cache(workdir)
+        compact_cache(workdir, 512)
     write_adapter(workdir)
     if not (workdir / "fisher-diag-ft").exists():
         generator = torch.Generator().manual_seed(3)
@@ -191,7 +197,7 @@ def build(workdir: Path, config) -> None:
 def matmul_flops(workdir: Path) -> dict[str, int]:
     """The matmul FLOPs each path cannot avoid: KFAC rotations, the LoRA's B·A."""
     flops = {}
-    for label in ("graft ρ=0.001 KFAC full", "graft ρ=0.001 KFAC r512"):
+    for label in (k for k in PATHS if "KFAC" in k):
         config = MergeConfiguration.model_validate(yaml.safe_load(PATHS[label].format(w=workdir.resolve())))
         flops[label] = rotation_flops(GraftInputs.open(plan_from_merge_config(config)))
     with safe_open(str(workdir / "adapter" / "adapter_model.safetensors"), "pt") as handle:
@@ -211,7 +217,7 @@ def one_round(workdir: Path, times: dict, rss: dict, check_bits: bool) -> None:
     rss["(a) minimal graft"].append(peak)
     times["(b) cat inputs + cp"].append(io_bytes(workdir, out))
     shutil.rmtree(out)
-    for cache in ("fisher-diag", "fisher-kfac", "fisher-kfac-r512", "fisher-diag-ft"):
+    for cache in {c for label in PATHS for c in CACHE.get(label, ())}:
         times[f"cat {cache}"].append(cat_seconds(files(workdir, cache)))
     for label, template in PATHS.items():
         (workdir / "bench.yml").write_text(template.format(w=workdir.resolve()))
@@ -245,17 +251,21 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("bench-work"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a 4-layer, 32k-vocab model for a quick look")
+    parser.add_argument("--skip-kfac", action="store_true", help="no KFAC paths (their cache takes long to write)")
     args = parser.parse_args()
+    if args.skip_kfac:
+        for label in [k for k in PATHS if "KFAC" in k]:
+            del PATHS[label]
     config = qwen3_config(**(dict(num_hidden_layers=4, vocab_size=32768) if args.small else {}))
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(f"building inputs in {args.workdir} ... (load {load()})", flush=True)
-    build(args.workdir, config)
+    build(args.workdir, config, kfac=not args.skip_kfac)
     params = sum(info.numel for info in Checkpoint(args.workdir / "post").tensors.values())
     rate, flops = sgemm_rate(), matmul_flops(args.workdir)
     print(f"model {params / 1e9:.3f}B bf16; torch threads {torch.get_num_threads()}; sgemm {rate / 1e9:.0f} GFLOP/s; "
           f"matmul floors " + ", ".join(f"{k}: {v / 1e12:.3f} TFLOP" for k, v in flops.items()), flush=True)
     labels = ["(a) minimal graft", "(b) cat inputs + cp", *PATHS,
-              *(f"cat {c}" for c in ("fisher-diag", "fisher-kfac", "fisher-kfac-r512", "fisher-diag-ft"))]
+              *(f"cat {c}" for label in PATHS for c in CACHE.get(label, ()))]
     times, rss = {k: [] for k in labels}, {k: [] for k in ("(a) minimal graft", *PATHS)}
     for repeat in range(args.repeats):
         print(f"round {repeat + 1} (load {load()})", flush=True)
