@@ -113,8 +113,9 @@ def main() -> None:
     args = parser.parse_args()
     folder = args.model or args.workdir / "smollm2"
     if not folder.exists():
-        from graftmerge.formats.gguf_import import import_gguf
         from tests.helpers.smollm2_facts import smollm2_gguf
+
+        from graftmerge.formats.gguf_import import import_gguf
 
         import_gguf(smollm2_gguf(), folder)
     model, tokenizer = load_model_for_eval(folder, dtype=args.dtype)
