@@ -164,9 +164,12 @@ class Space:
                 **chosen}
 
     def corners(self) -> list[dict]:
-        """The grid's corners: each end of λ's range, without a mask and at ρ's top (of each config)."""
+        """The grid's corners: each end of λ's range (its middle instead of λ = 0, which is θpost, scored
+        already), without a mask and at ρ's top (of each config)."""
         rhos = [0.0] if self.rho is None else [0.0, self.rho[1]]
-        return [self.params(lam, rho, config) for config in range(self.configs) for lam in self.lam for rho in rhos]
+        low, high = self.lam
+        lams = list(dict.fromkeys([low if low > 0 else (low + high) / 2, high]))
+        return [self.params(lam, rho, config) for config in range(self.configs) for lam in lams for rho in rhos]
 
 
 @dataclass
