@@ -18,6 +18,7 @@ from packaging.requirements import Requirement
 from safetensors.torch import load_file
 
 from graftmerge.adapter import mergekit_compat
+from graftmerge.errors import GraftError
 from tests.helpers.runners import run_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +87,18 @@ def test_run_merge_is_wrapped_once_and_routes_only_its_methods():
     module.run_merge(SimpleNamespace(merge_method="graft"), "out", None)
     module.run_merge(SimpleNamespace(merge_method="linear"), "out", None)
     assert calls == ["graft", "mk"]
+
+
+def test_settings_reach_the_route_and_a_method_without_a_route_refuses_them():
+    seen = []
+    module = SimpleNamespace(run_merge=lambda config, out, options=None, config_source=None: seen.append("mk"))
+    routes = {"graft": lambda original, config, out, options, source, **settings: seen.append(settings)}
+    mergekit_compat.wrap_run_merge(module, routes)
+    module.run_merge(SimpleNamespace(merge_method="graft"), "out", None, use_threshold_cache=False)
+    assert seen == [{"use_threshold_cache": False}]
+    with pytest.raises(GraftError, match="use_threshold_cache: only for graft merges, not merge_method linear"):
+        module.run_merge(SimpleNamespace(merge_method="linear"), "out", None, use_threshold_cache=False)
+    assert seen == [{"use_threshold_cache": False}]
 
 
 def test_registering_twice_is_harmless():

@@ -146,22 +146,26 @@ Route = Callable[..., object]  # (mergekit's run_merge, config, out_path, option
 def wrap_run_merge(merge_module, routes: Mapping[str, Route], view: Callable | None = None) -> None:
     """Replace ``merge_module.run_merge`` once: a config whose merge_method is in ``routes`` goes through its
     route (handed mergekit's own run_merge), any other straight to mergekit's. ``view(config)``, if given,
-    is the config both are handed (the config as written stays the card's source)."""
+    is the config both are handed (the config as written stays the card's source). Keyword ``settings``
+    beyond mergekit's own (``use_threshold_cache``) go to the route; mergekit's run_merge takes none."""
     original = getattr(merge_module, "run_merge", None)
     if original is None or hasattr(original, WRAPPED):
         return  # half-imported (the import hook wraps it once mergekit.merge finishes), or wrapped already
 
     @functools.wraps(original)
-    def run_merge(merge_config, out_path, options, config_source=None):
+    def run_merge(merge_config, out_path, options, config_source=None, **settings):
         seen = merge_config if view is None else view(merge_config)
         if seen is not merge_config and config_source is None:
             config_source = merge_config.to_yaml()  # the card shows the config as written
         merge_config = seen
         route = routes.get(merge_config.merge_method)
         if route is None:
+            if settings:
+                raise GraftError(f"{', '.join(sorted(settings))}: only for {', '.join(sorted(routes))} merges, "
+                                 f"not merge_method {merge_config.merge_method}")
             return original(merge_config, out_path, options=options, config_source=config_source)
         with without_torch_dtype_notice():
-            return route(original, merge_config, out_path, options, config_source)
+            return route(original, merge_config, out_path, options, config_source, **settings)
 
     setattr(run_merge, WRAPPED, routes)
     merge_module.run_merge = run_merge
