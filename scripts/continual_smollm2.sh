@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real `graftmerge continual` run on SmolLM2-135M-Instruct (CPU, about a quarter of an hour): the figures of
+# A real `graftmerge continual` run on SmolLM2-135M-Instruct (CPU; 13.7 min on a shared 2-core VM, plus adapter training): the figures of
 # docs/continual.md. θ0 is the Instruct model; three steps, each a PEFT LoRA adapter of its last 4 layers
 # trained here on its own two invented facts (role: delta, θ0 as the donor); θ0's task is "known" (facts it
 # already answers); each step's task is its facts (validation: as trained, test: asked another way), all nll.
