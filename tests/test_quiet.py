@@ -23,17 +23,24 @@ TRANSFORMERS_CONFIG_LOGGER = "transformers.configuration_utils"  # the logger th
 
 @pytest.fixture
 def notices():
-    """transformers' config-logger records, with its warn-once memory cleared before and after."""
+    """transformers' config-logger records, with its warn-once memory cleared before and after.
+
+    The logger's own level is set to WARNING meanwhile: an earlier test in the same worker may have
+    quieted transformers (its verbosity set to error), and the control must not depend on test order.
+    """
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = records.append
     logger = logging.getLogger(TRANSFORMERS_CONFIG_LOGGER)
+    level = logger.level
     hf_logging.warning_once.cache_clear()
+    logger.setLevel(logging.WARNING)
     logger.addHandler(handler)
     try:
         yield records
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
         hf_logging.warning_once.cache_clear()
 
 
