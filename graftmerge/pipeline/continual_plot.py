@@ -43,8 +43,8 @@ def plot_matrix(path: Path, matrix: dict) -> None:
                         color=line.get_color(), alpha=0.6)
     curves.set_xticks(list(steps), matrix["models"], fontsize=8)
     curves.set_ylim(-0.02, 1.02)
-    curves.set_title("each task's normalised test score across the steps" + (" (dashed: baseline)" if "baseline" in matrix else ""),
-                     fontsize=9)
+    dashed = " (dashed: baseline)" if "baseline" in matrix else ""
+    curves.set_title(f"each task's normalised test score across the steps{dashed}", fontsize=9)
     curves.legend(fontsize=7, loc="best")
     temporary = path.parent / f".{path.name}.tmp-{os.getpid()}.png"
     figure.savefig(temporary, dpi=110, bbox_inches="tight")
