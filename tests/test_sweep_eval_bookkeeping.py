@@ -26,7 +26,7 @@ from graftmerge.cli import main
 from graftmerge.errors import GraftError
 from graftmerge.formats.checkpoint import Checkpoint
 from graftmerge.pipeline.config_files import read_graft_config
-from graftmerge.pipeline.sweep_eval import Evaluation, run_sweep_eval
+from graftmerge.pipeline.sweep_eval import Evaluation, check_post_scores, run_sweep_eval
 from tests.helpers.models import tree_digest
 from tests.helpers.runners import one_line_error, run_cli
 from tests.helpers.weight_judge import (
@@ -251,3 +251,18 @@ def test_tolerance_and_keep_need_eval(setup, tmp_path):
                                            str(tmp_path / "out"), *option])
         assert "--eval" in one_line_error(result) and not (tmp_path / "out").exists()
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize(("command", "each", "uses_roles"), [("sweep", "point", "the rule compares"),
+                                                              ("search", "trial", "the search maximises")])
+def test_post_scores_that_are_nan_or_lack_a_role_stop_the_sweep_and_the_search(command, each, uses_roles):
+    """One check of θpost's validation scores serves the sweep and the search, each in its own words."""
+    good = {"scores": {"known": {"validation": 0.5}, "facts": {"validation": 0.1}},
+            "roles": {"validation": {"old": 0.5, "new": 0.1}}}
+    check_post_scores(good, command, each, uses_roles)
+    nan = {**good, "scores": {"known": {"validation": math.nan}, "facts": {"validation": 0.1}}}
+    with pytest.raises(GraftError, match=f"NaN for .*every {each} with θpost, so the {command} cannot choose"):
+        check_post_scores(nan, command, each, uses_roles)
+    no_new = {"scores": {"known": {"validation": 0.5}}, "roles": {"validation": {"old": 0.5}}}
+    with pytest.raises(GraftError, match=f"no new-role score on validation; {uses_roles} old- and new-role"):
+        check_post_scores(no_new, command, each, uses_roles)

@@ -59,10 +59,10 @@ from graftmerge.pipeline.sweep_eval import (
     Evaluation,
     Judge,
     _EvalSweep,
-    _first_nan,
     _number,
     _replace_file,
     _write_plot,
+    check_post_scores,
     check_tolerance,
     chosen_summary,
     select,
@@ -548,15 +548,7 @@ def _started(runner: _Runners, out: Path, header: dict) -> Study:
     post = Study(out).attribute("post") if existing is not None else None
     if post is None:
         post = runner.score(None, VALIDATION + TEST)
-        problem = _first_nan({task: {"validation": v.get("validation")} for task, v in post["scores"].items()},
-                             {"validation": post["roles"]["validation"]})
-        if problem is not None:
-            raise GraftError(f"θpost's evaluation gave NaN for {problem}: the rule compares every trial with θpost, "
-                             "so the search cannot choose; check the task file")
-        missing = [role for role in ("old", "new") if role not in post["roles"]["validation"]]
-        if missing:
-            raise GraftError(f"the tasks give no {missing[0]}-role score on validation; the search maximises old- "
-                             "and new-role scores, so it needs a task of each role")
+        check_post_scores(post, "search", "trial", "the search maximises")
     out.mkdir(exist_ok=True)
     recover(out / SCRATCH)  # the scratch folders of killed runs
     study = Study(out, header)

@@ -185,6 +185,20 @@ def _number(value) -> float:
     return math.nan if value is None else float(value)
 
 
+def check_post_scores(post: dict, command: str, each: str, uses_roles: str) -> None:
+    """GraftError unless θpost's validation scores are numbers and give both roles: every ``each`` (point,
+    trial) of ``command`` (sweep, search) is compared with them, and ``uses_roles`` says how roles are used."""
+    problem = _first_nan({task: {"validation": v.get("validation")} for task, v in post["scores"].items()},
+                         {"validation": post["roles"]["validation"]})
+    if problem is not None:
+        raise GraftError(f"θpost's evaluation gave NaN for {problem}: the rule compares every {each} with θpost, "
+                         f"so the {command} cannot choose; check the task file")
+    missing = [role for role in ("old", "new") if role not in post["roles"]["validation"]]
+    if missing:
+        raise GraftError(f"the tasks give no {missing[0]}-role score on validation; {uses_roles} old- and "
+                         "new-role scores, so it needs a task of each role")
+
+
 def _first_nan(scores: dict, roles: dict) -> str | None:
     """The first score that is not a number, in words; None when all are."""
     for task, splits in scores.items():
@@ -474,15 +488,7 @@ def _run(sweep: _EvalSweep, points: list[GridPoint], header: dict, records: list
     """θpost, the points on validation, the rule, the tests, the folders, chosen.json and the plot."""
     done = {record_key(record): record for record in records[1:]}
     post = done.get(("post", None, None, VALIDATION + TEST, None, None)) or sweep.scored(VALIDATION + TEST)
-    problem = _first_nan({task: {"validation": v.get("validation")} for task, v in post["scores"].items()},
-                         {"validation": post["roles"]["validation"]})
-    if problem is not None:
-        raise GraftError(f"θpost's evaluation gave NaN for {problem}: the rule compares every point with θpost, "
-                         "so the sweep cannot choose; check the task file")
-    missing = [role for role in ("old", "new") if role not in post["roles"]["validation"]]
-    if missing:
-        raise GraftError(f"the tasks give no {missing[0]}-role score on validation; the rule compares old- and "
-                         "new-role scores, so it needs a task of each role")
+    check_post_scores(post, "sweep", "point", "the rule compares")
     sweep.out.mkdir(exist_ok=True)
     recover(sweep.out / SCRATCH)  # the scratch folders of killed runs of this sweep, and only those
     with ResultsLog(sweep.out / RESULTS, functools.partial(parse_sweep_log, expected=header)) as log:
